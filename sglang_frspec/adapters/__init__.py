@@ -1,0 +1,3 @@
+"""Thin adapters, one module per SGLang seam: args (argument resolution), head (the target's
+vocab-parallel LM head), logits (the draft logits processor), worker (EagleDraftWorker
+start-up and weight refreshes), token_map (map sources SGLang accepts)."""

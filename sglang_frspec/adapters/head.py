@@ -1,0 +1,134 @@
+"""Seam 1: the target's vocab-parallel LM head (which module, which group, which rows)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.layers.vocab_parallel_embedding import (
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
+)
+from sglang.srt.runtime_context import get_parallel
+
+from sglang_frspec.core import UnsupportedSetupError
+
+_SLICEABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """Where this rank's rows of the target LM head sit in the vocab, and who shares them."""
+
+    module: VocabParallelEmbedding
+    group_name: str | None  # "tp" or "attn_tp"; None when the head is not sharded
+    rank: int
+    shard_ranges: tuple[tuple[int, int], ...]  # original-vocab range of every rank
+    vocab_size: int  # original vocab (ids at or above it are padding or LoRA rows)
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.shard_ranges)
+
+    def group(self):
+        """The GroupCoordinator that shards the head, read now (drafts may patch groups)."""
+        return getattr(get_parallel(), f"{self.group_name}_group")
+
+    def all_gather(self, output: torch.Tensor, local: torch.Tensor) -> None:
+        self.group().all_gather_into_tensor(output, local)
+
+
+def find_head_module(target_model: torch.nn.Module, head: torch.Tensor) -> VocabParallelEmbedding:
+    """The target module whose weight is ``head`` (the layout must come from the owner)."""
+    for module in target_model.modules():
+        weight = getattr(module, "weight", None)
+        if (
+            isinstance(module, VocabParallelEmbedding)
+            and isinstance(weight, torch.Tensor)
+            and (weight is head or weight.data_ptr() == head.data_ptr())
+        ):
+            return module
+    raise UnsupportedSetupError(
+        f"sglang-frspec could not find the vocab-parallel module of "
+        f"{type(target_model).__name__} that owns the LM head shared with the draft, so the "
+        "vocab shard of each rank is unknown. Serve this model without "
+        "--speculative-token-map, or at --tp-size 1."
+    )
+
+
+def check_head_supported(module: VocabParallelEmbedding) -> None:
+    """Reject heads whose rows cannot be sliced (quantized, packed, GGUF)."""
+    weight = module.weight
+    if not isinstance(module.quant_method, UnquantizedEmbeddingMethod):
+        raise UnsupportedSetupError(
+            f"the target LM head is quantized ({type(module.quant_method).__name__}); FR-Spec "
+            "slices head rows, which would drop the quantization scales. Serve an "
+            "unquantized lm_head (choose a --quantization / checkpoint that keeps lm_head in "
+            "bf16/fp16), or drop --speculative-token-map."
+        )
+    if getattr(weight, "is_gguf_weight_type", False) or getattr(module, "use_intel_amx_backend", False):
+        raise UnsupportedSetupError(
+            "the target LM head weight is packed (GGUF or CPU AMX/VNNI layout), so its rows "
+            "cannot be sliced. Use a safetensors checkpoint (not --load-format gguf) or drop "
+            "--speculative-token-map."
+        )
+    if weight.dtype not in _SLICEABLE_DTYPES or weight.dim() != 2:
+        raise UnsupportedSetupError(
+            f"the target LM head weight is {weight.dtype} with shape {tuple(weight.shape)}; "
+            "FR-Spec needs a plain 2-D fp16/bf16/fp32 head. Drop --speculative-token-map."
+        )
+    if weight.shape[0] != module.num_embeddings_per_partition:
+        raise UnsupportedSetupError(
+            f"the target LM head has {weight.shape[0]} local rows but its vocab shard has "
+            f"{module.num_embeddings_per_partition}; a packed or re-laid-out head cannot be "
+            "sliced by token id. Drop --speculative-token-map."
+        )
+
+
+def describe_head_shard(module: VocabParallelEmbedding) -> HeadShard:
+    """Every rank's vocab range, computed with SGLang's own ``_get_indices`` (no collective)."""
+    tp_size = module.tp_size if module.enable_tp else 1
+    if tp_size == 1:
+        return HeadShard(module, None, 0, ((0, module.org_vocab_size),), module.org_vocab_size)
+    group_name = "attn_tp" if module.use_attn_tp_group else "tp"
+    rank = getattr(get_parallel(), f"{group_name}_rank")
+    indices = [
+        type(module)._get_indices(
+            module.num_embeddings_padded,
+            module.org_vocab_size_padded,
+            module.num_embeddings,
+            module.org_vocab_size,
+            r,
+            tp_size,
+        )
+        for r in range(tp_size)
+    ]
+    ranges = tuple((i.org_vocab_start_index, i.org_vocab_end_index) for i in indices)
+    own = module.shard_indices
+    if ranges[rank] != (own.org_vocab_start_index, own.org_vocab_end_index):
+        raise UnsupportedSetupError(
+            f"rank {rank} of the {group_name} group holds vocab rows "
+            f"[{own.org_vocab_start_index}, {own.org_vocab_end_index}) of the LM head, not "
+            f"{list(ranges[rank])} as its group position implies; this head layout is not "
+            "supported with --speculative-token-map."
+        )
+    return HeadShard(module, group_name, rank, ranges, module.org_vocab_size)
+
+
+def check_draft_supported(draft_model: torch.nn.Module, num_hot: int) -> None:
+    """Reject drafts whose head cannot be replaced by a separate hot head."""
+    config = getattr(draft_model, "config", None)
+    if getattr(config, "tie_word_embeddings", False):
+        raise UnsupportedSetupError(
+            "the draft model ties its LM head to its input embeddings (tie_word_embeddings "
+            "in the draft's config.json), so a reduced hot head would also cut its embeddings. "
+            "Use an untied EAGLE draft, or drop --speculative-token-map."
+        )
+    for field in ("draft_vocab_size", "hot_vocab_size"):
+        declared = getattr(config, field, None)
+        if declared is not None and declared != num_hot:
+            raise UnsupportedSetupError(
+                f"the draft config sets {field}={declared}, but the token map has {num_hot} "
+                f"distinct ids; SGLang sizes draft buffers from {field}. Remove {field} from "
+                "the draft's config.json or use a map of that size."
+            )

@@ -1,0 +1,171 @@
+"""Seam 3: ``EagleDraftWorker`` start-up (token map and LM head) and weight refreshes.
+
+SGLang calls ``init_token_map()`` then ``init_lm_head()`` on every TP rank after the models are
+loaded and before any graph capture. With a token map, this module replaces both:
+
+1. ``init_token_map`` reads the file on every rank but raises nothing yet.
+2. ``init_lm_head`` validates the map against the target head, then all ranks compare
+   (ok/error, digest) over the TP CPU group, so every rank raises the same clear error together
+   instead of one rank waiting in a collective. Then it plans the hot shards, builds this rank's
+   hot head, installs the draft-only logits processor and sets ``hot_token_id`` to the canonical
+   ids on the device: the contract the rest of the EAGLE worker relies on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.runtime_context import get_parallel, get_spec
+from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
+
+from sglang_frspec.adapters.head import (
+    HeadShard,
+    check_draft_supported,
+    check_head_supported,
+    describe_head_shard,
+    find_head_module,
+)
+from sglang_frspec.adapters.logits import FrSpecLogitsProcessor
+from sglang_frspec.adapters.token_map import load_token_map_ids
+from sglang_frspec.core import (
+    HotShardPlan,
+    TokenMapError,
+    UnsupportedSetupError,
+    build_local_head,
+    canonical_hot_ids,
+    plan_from_ranges,
+)
+from sglang_frspec.core.options import FrSpecOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FrSpecDraftHead:
+    """What the plugin installed on a draft worker (kept for refreshes and inspection)."""
+
+    plan: HotShardPlan
+    shard: HeadShard
+    options: FrSpecOptions
+    local_head: torch.Tensor  # [plan.width, hidden], shared with the draft's lm_head
+
+    def refresh(self) -> None:
+        """Re-read the hot rows after the target weights changed in place (all ranks call)."""
+        fresh = build_local_head(self.shard.module.weight, self.plan, self.shard.rank, self.shard.all_gather)
+        self.local_head.copy_(fresh)  # in place: captured graphs keep pointing at it
+
+
+def _uses_token_map(worker) -> bool:
+    return not worker.speculative_algorithm.is_eagle3() and (get_spec().speculative_token_map is not None)
+
+
+def around_init_token_map(original: Callable, worker) -> None:
+    """AROUND hook: read the map on this rank; errors are held until all ranks compare notes."""
+    if not _uses_token_map(worker):
+        return original(worker)
+    path = get_spec().speculative_token_map
+    worker.frspec_map_source = path
+    try:
+        worker.frspec_map_ids, worker.frspec_map_error = load_token_map_ids(path), None
+    except TokenMapError as e:
+        worker.frspec_map_ids, worker.frspec_map_error = None, e
+    worker.hot_token_id = torch.empty(0, dtype=torch.int64)  # replaced in init_lm_head
+
+
+def agree_across_ranks(status: tuple, group) -> None:
+    """Raise the same error on every rank if any rank failed or the ranks' maps differ.
+
+    ``status`` is ("ok", digest, num_hot) or ("error", message). Runs on the gloo CPU group.
+    """
+    statuses = [status] if group.world_size == 1 else group.all_gather_object(status)
+    failed = [(r, s[1]) for r, s in enumerate(statuses) if s[0] == "error"]
+    if failed:
+        rank, message = failed[0]
+        raise TokenMapError(f"[sglang-frspec, TP rank {rank} of {len(statuses)}] {message}")
+    digests = {s[1] for s in statuses}
+    if len(digests) > 1:
+        per_rank = ", ".join(f"rank {r}: {s[1][:16]} ({s[2]} ids)" for r, s in enumerate(statuses))
+        raise TokenMapError(
+            "[sglang-frspec] the TP ranks loaded different token maps (sha256 of the canonical "
+            f"ids: {per_rank}). Every node must see the same --speculative-token-map file; "
+            "copy the same file to every node."
+        )
+
+
+def around_init_lm_head(original: Callable, worker) -> None:
+    """AROUND hook: build this rank's hot head and the draft-only logits path."""
+    if not _uses_token_map(worker):
+        return original(worker)
+    embed, head = worker._resolve_shared_embed_and_head()
+    draft_model = worker.draft_runner.model
+    target_model = worker.target_worker.model_runner.model
+    source = worker.frspec_map_source
+    hot = shard = None
+    try:
+        if worker.frspec_map_error is not None:
+            raise worker.frspec_map_error
+        options = FrSpecOptions.from_env()
+        shard = describe_head_shard(find_head_module(target_model, head))
+        check_head_supported(shard.module)
+        hot = canonical_hot_ids(worker.frspec_map_ids, shard.vocab_size, source=source)
+        check_draft_supported(draft_model, len(hot))
+        status = ("ok", hot.digest, len(hot))
+    except (TokenMapError, UnsupportedSetupError) as e:
+        status = ("error", str(e))
+    agree_across_ranks(status, get_parallel().tp_group)
+
+    plan = plan_from_ranges(hot.ids, shard.shard_ranges, options.layout)
+    local_head = build_local_head(head, plan, shard.rank, shard.all_gather)
+    draft_model.set_embed_and_head(embed, local_head)
+    processor = FrSpecLogitsProcessor(
+        draft_model.config, plan, shard, options.exchange, worker.topk, head.device
+    )
+    draft_model.logits_processor = processor
+    worker.hot_token_id = plan.hot_ids.to(head.device)
+    worker.frspec_head = FrSpecDraftHead(plan, shard, options, local_head)
+    del worker.frspec_map_ids
+    if get_parallel().tp_rank == 0:
+        if hot.num_duplicates:
+            logger.warning(
+                "sglang-frspec: token map %s repeats %d id(s); using %d distinct ids.",
+                source,
+                hot.num_duplicates,
+                len(hot),
+            )
+        logger.info(
+            "sglang-frspec: %d hot ids over %d rank(s), layout=%s exchange=%s, "
+            "columns per rank %s (width %d, max/mean %.2f)",
+            plan.num_hot,
+            plan.tp_size,
+            plan.layout,
+            processor.exchange,
+            list(plan.counts),
+            plan.width,
+            plan.imbalance,
+        )
+
+
+class ShardedFRSpecEagleDraftWorker(EagleDraftWorker):
+    """Drop-in ``EagleDraftWorker`` with TP-correct FR-Spec token maps (no plugin needed)."""
+
+    # super(), not EagleDraftWorker.<method>: a class REPLACE hook rebinds that module name.
+    def init_token_map(self) -> None:
+        parent = super().init_token_map
+        around_init_token_map(lambda _worker: parent(), self)
+
+    def init_lm_head(self) -> None:
+        parent = super().init_lm_head
+        around_init_lm_head(lambda _worker: parent(), self)
+
+
+def refresh_after_weight_update(result, manager, *args, **kwargs):
+    """AFTER hook on the scheduler's weight updates: re-slice the hot head on success."""
+    if getattr(result, "success", False):
+        draft_worker = getattr(manager.draft_worker, "_draft_worker", None)
+        state = getattr(draft_worker, "frspec_head", None)
+        if state is not None:
+            state.refresh()
+    return result

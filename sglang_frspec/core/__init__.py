@@ -1,0 +1,34 @@
+"""Pure core: token maps, shard plans and hot-logit exchanges. Imports torch only, never SGLang."""
+
+from sglang_frspec.core.errors import TokenMapError, UnsupportedSetupError
+from sglang_frspec.core.gather import EXCHANGES, HotLogitsExchange, build_local_head
+from sglang_frspec.core.plan import (
+    LAYOUTS,
+    HotShardPlan,
+    plan_from_ranges,
+    plan_hot_shards,
+    vocab_shard_ranges,
+)
+from sglang_frspec.core.token_map import (
+    HotIds,
+    canonical_hot_ids,
+    ids_from_object,
+    read_token_map,
+)
+
+__all__ = [
+    "EXCHANGES",
+    "LAYOUTS",
+    "HotIds",
+    "HotLogitsExchange",
+    "HotShardPlan",
+    "TokenMapError",
+    "UnsupportedSetupError",
+    "build_local_head",
+    "canonical_hot_ids",
+    "ids_from_object",
+    "plan_from_ranges",
+    "plan_hot_shards",
+    "read_token_map",
+    "vocab_shard_ranges",
+]

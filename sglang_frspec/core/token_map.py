@@ -1,0 +1,111 @@
+"""Token maps: reading, validating and canonicalising the hot ids (torch only)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from sglang_frspec.core.errors import TokenMapError
+
+_SAVE_HINT = (
+    "Save the hot ids as a 1-D int64 tensor, e.g. "
+    "torch.save(torch.tensor(ids, dtype=torch.int64), 'map.pt'), "
+    "or build one with `sglang-frspec build-map`."
+)
+
+
+def read_token_map(path: str | os.PathLike) -> torch.Tensor:
+    """Read a token-map file (a saved 1-D integer tensor or a saved Python list of ints).
+
+    Returns the ids as an int64 CPU tensor in file order, duplicates kept.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise TokenMapError(
+            f"token map {path!r}: no such file. Check the --speculative-token-map path "
+            f"(it must exist on every node that runs a TP rank). {_SAVE_HINT}"
+        )
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for unreadable files
+        raise TokenMapError(
+            f"token map {path!r}: cannot be read with torch.load(weights_only=True) "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). {_SAVE_HINT}"
+        ) from e
+    return ids_from_object(obj, source=path)
+
+
+def ids_from_object(obj: object, source: str = "token map") -> torch.Tensor:
+    """Turn a loaded token-map object (tensor, list or tuple of ints) into 1-D int64 ids."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype == torch.bool or obj.dtype.is_floating_point or obj.dtype.is_complex:
+            raise TokenMapError(
+                f"token map {source!r}: holds a {obj.dtype} tensor, but hot ids must be "
+                f"integers. {_SAVE_HINT}"
+            )
+        if obj.dim() != 1:
+            raise TokenMapError(
+                f"token map {source!r}: holds a {obj.dim()}-D tensor of shape "
+                f"{tuple(obj.shape)}, but hot ids must be a 1-D tensor. "
+                f"Flatten it (ids.flatten()) if it is one list of ids. {_SAVE_HINT}"
+            )
+        ids = obj.to(torch.int64)
+    elif isinstance(obj, (list, tuple)):
+        bad = next((x for x in obj if isinstance(x, bool) or not isinstance(x, int)), None)
+        if bad is not None:
+            raise TokenMapError(
+                f"token map {source!r}: holds a {type(obj).__name__} with a "
+                f"{type(bad).__name__} element ({bad!r}); hot ids must be ints. {_SAVE_HINT}"
+            )
+        ids = torch.tensor(list(obj), dtype=torch.int64)
+    else:
+        raise TokenMapError(
+            f"token map {source!r}: holds a {type(obj).__name__}, not a tensor or list of ids. {_SAVE_HINT}"
+        )
+    if ids.numel() == 0:
+        raise TokenMapError(f"token map {source!r}: is empty; it must hold at least one id.")
+    return ids
+
+
+@dataclass(frozen=True)
+class HotIds:
+    """Canonical hot ids: sorted, unique, all inside the original vocab."""
+
+    ids: torch.Tensor  # int64 [H], ascending
+    num_duplicates: int  # entries the file repeated (dropped)
+    digest: str  # sha256 of the canonical ids; equal maps give equal digests
+
+    def __len__(self) -> int:
+        return int(self.ids.numel())
+
+
+def canonical_hot_ids(ids: torch.Tensor, vocab_size: int, source: str = "token map") -> HotIds:
+    """Sort and de-duplicate ids and check them against the target's original vocab size.
+
+    The canonical (ascending) order is the same for every TP size, so a prefill node and a
+    decode node with different TP agree on what hot index j means.
+    """
+    ids = ids.to(torch.int64).flatten()
+    if ids.numel() == 0:
+        raise TokenMapError(f"token map {source!r}: is empty; it must hold at least one id.")
+    negative = ids[ids < 0]
+    if negative.numel():
+        raise TokenMapError(
+            f"token map {source!r}: has {negative.numel()} negative id(s) "
+            f"(first: {negative[:5].tolist()}); ids must lie in [0, {vocab_size}). "
+            "Rebuild the map from the target model's tokenizer."
+        )
+    too_big = ids[ids >= vocab_size]
+    if too_big.numel():
+        raise TokenMapError(
+            f"token map {source!r}: has {too_big.numel()} id(s) >= the target's vocab size "
+            f"{vocab_size} (first: {too_big[:5].tolist()}); such ids would select padding or "
+            "LoRA-added rows of the LM head. The map was probably built for another "
+            "model: rebuild it with this model's tokenizer."
+        )
+    hot = torch.unique(ids, sorted=True)
+    digest = hashlib.sha256(hot.numpy().tobytes()).hexdigest()
+    return HotIds(ids=hot, num_duplicates=int(ids.numel() - hot.numel()), digest=digest)

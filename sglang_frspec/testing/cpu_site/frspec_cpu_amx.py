@@ -1,0 +1,12 @@
+"""CPU-test-only SGLang plugin: report AMX so `--attention-backend intel_amx` is kept.
+
+SGLang downgrades intel_amx to torch_native on CPUs without AMX, and torch_native has no EAGLE
+support. The layers still run torch-native code; the attention ops come from the sgl_kernel
+stand-in beside this file.
+"""
+
+
+def register() -> None:
+    from sglang.srt.runtime_context import override_platform
+
+    override_platform(has_amx=True).install()

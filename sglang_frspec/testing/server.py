@@ -1,0 +1,163 @@
+"""Start real SGLang servers (``python -m sglang.launch_server``) and stop their whole tree."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    """A server that exited, or did not become ready; the message ends with its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+def kill_tree(pid: int, grace: float = 10.0) -> None:
+    """SIGTERM the process group and every descendant of ``pid``, then SIGKILL leftovers."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)  # started with start_new_session: pgid == pid
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+        _, alive = psutil.wait_procs(procs, timeout=grace)
+        if not alive:
+            return
+        procs = alive
+
+
+class SGLangServer:
+    """One ``sglang.launch_server`` process tree on a free loopback port.
+
+    Use as a context manager; ``log_path`` keeps the server's stdout and stderr.
+    """
+
+    def __init__(self, args: list[str], env: dict, log_path: str | Path, ready_timeout: float = 420.0):
+        self.args = list(args)
+        self.env = env
+        self.log_path = Path(log_path)
+        self.ready_timeout = ready_timeout
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> SGLangServer:
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            *self.args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+            self.proc = subprocess.Popen(
+                cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self
+
+    def wait_ready(self) -> SGLangServer:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(
+                    f"server exited with status {self.proc.returncode} before it "
+                    f"was ready; log {self.log_path}:\n{log_tail(self.log_path)}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        raise ServerError(
+            f"server not ready after {self.ready_timeout:.0f}s; "
+            f"log {self.log_path}:\n{log_tail(self.log_path)}"
+        )
+
+    def wait_exit(self, timeout: float) -> int:
+        """Wait for a server that is expected to fail; returns its exit status."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise ServerError(
+                f"server still running after {timeout:.0f}s; log {self.log_path}:\n{log_tail(self.log_path)}"
+            ) from e
+
+    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+        req = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:
+            raise ServerError(
+                f"POST {path} -> HTTP {e.code}: {e.read()[:2000]!r}; log "
+                f"{self.log_path}:\n{log_tail(self.log_path)}"
+            ) from e
+
+    def get(self, path: str, timeout: float = 30.0) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return json.load(r)
+
+    def generate(
+        self, input_ids: list[int] | list[list[int]], max_new_tokens: int, **sampling
+    ) -> dict | list[dict]:
+        """Greedy by default; returns SGLang's /generate response (output_ids, meta_info)."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0} | sampling
+        return self.post("/generate", {"input_ids": input_ids, "sampling_params": params})
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+
+    def __enter__(self) -> SGLangServer:
+        self.start()
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,144 @@
+"""Run a function on every rank of a real SGLang TP group (gloo, SGLang's own distributed init).
+
+``run_tp_group("pkg.module:function", tp_size, payload)`` starts ``tp_size`` processes, each of
+which publishes ``ServerArgs(device="cpu", tp_size=...)``, calls SGLang's
+``init_distributed_environment`` (gloo) and ``initialize_model_parallel``, then calls
+``function(payload)`` and sends back its (picklable) return value. A rank that raises or a group
+that outlives the timeout fails the call with every rank's traceback; all ranks are killed, so a
+rank stuck in a collective never hangs the caller.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from sglang_frspec.testing.cpu import cpu_env
+from sglang_frspec.testing.server import free_port, kill_tree
+
+
+class TPGroupError(RuntimeError):
+    """A rank failed or the group timed out; ``rank_errors`` maps rank -> traceback text."""
+
+    def __init__(self, message: str, rank_errors: dict[int, str]):
+        super().__init__(message)
+        self.rank_errors = rank_errors
+
+
+def run_tp_group(
+    target: str,
+    tp_size: int,
+    payload=None,
+    *,
+    timeout: float = 300.0,
+    server_args: dict | None = None,
+    env: dict | None = None,
+) -> list:
+    """Run ``target`` ("module:function") on ``tp_size`` ranks; returns results in rank order.
+
+    ``server_args`` adds ServerArgs fields (e.g. dp attention settings) for every rank.
+    """
+    with tempfile.TemporaryDirectory(prefix="frspec-tp-") as tmp:
+        spec = Path(tmp, "spec.pkl")
+        spec.write_bytes(
+            pickle.dumps(
+                {
+                    "target": target,
+                    "payload": payload,
+                    "tp_size": tp_size,
+                    "port": free_port(),
+                    "server_args": server_args or {},
+                }
+            )
+        )
+        run_env = cpu_env(tp_size, base=env)
+        logs = [Path(tmp, f"rank{r}.log") for r in range(tp_size)]
+        procs = []
+        for rank in range(tp_size):
+            with open(logs[rank], "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", __name__, str(spec), str(rank)],
+                        env=run_env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if any(p.poll() not in (None, 0) for p in procs):
+                    time.sleep(3.0)  # let the other ranks report their own error first
+                    break
+                time.sleep(0.2)
+        finally:
+            timed_out = any(p.poll() is None for p in procs)
+            for p in procs:
+                if p.poll() is None:
+                    kill_tree(p.pid, grace=2.0)
+        results, errors = [], {}
+        for rank in range(tp_size):
+            out = Path(tmp, f"result{rank}.pkl")
+            if out.exists():
+                ok, value = pickle.loads(out.read_bytes())
+                if ok:
+                    results.append(value)
+                    continue
+                errors[rank] = value
+            else:
+                state = "timed out" if timed_out else f"exit status {procs[rank].returncode}"
+                errors[rank] = f"no result ({state}); log:\n" + logs[rank].read_text()[-4000:]
+        if errors:
+            detail = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+            raise TPGroupError(f"{len(errors)} of {tp_size} rank(s) failed in {target}:\n{detail}", errors)
+        return results
+
+
+def _init_rank(rank: int, tp_size: int, port: int, extra_args: dict) -> None:
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_frspec.testing.fixtures import perm_fixture
+
+    args = ServerArgs(
+        model_path=perm_fixture().target,
+        device="cpu",
+        tp_size=tp_size,
+        attention_backend="torch_native",
+        **extra_args,
+    )
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
+    init_distributed_environment(
+        backend="gloo",
+        world_size=tp_size,
+        rank=rank,
+        local_rank=rank,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+    )
+    initialize_model_parallel()
+
+
+def _child(spec_path: str, rank: int) -> None:
+    import importlib
+
+    spec = pickle.loads(Path(spec_path).read_bytes())
+    out = Path(spec_path).with_name(f"result{rank}.pkl")
+    try:
+        _init_rank(rank, spec["tp_size"], spec["port"], spec["server_args"])
+        module, func = spec["target"].split(":")
+        value = getattr(importlib.import_module(module), func)(spec["payload"])
+        out.write_bytes(pickle.dumps((True, value)))
+    except BaseException:
+        out.write_bytes(pickle.dumps((False, traceback.format_exc())))
+        raise
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], int(sys.argv[2]))

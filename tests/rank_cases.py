@@ -1,0 +1,84 @@
+"""Functions run on every rank of a real SGLang gloo TP group (see run_tp_group)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _target_head(vocab: int, hidden: int, dtype: torch.dtype, seed: int):
+    """A real vocab-parallel ParallelLMHead loaded from the same full 'checkpoint' on all ranks."""
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    full = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    head = ParallelLMHead(vocab, hidden, params_dtype=dtype)
+    head.weight_loader(head.weight, full)  # SGLang's loader slices this rank's shard
+    return head, full
+
+
+def _draft_head(vocab: int, hidden: int, dtype: torch.dtype, weight: torch.Tensor):
+    """A draft ParallelLMHead whose weight is swapped like ``set_embed_and_head`` does."""
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    head = ParallelLMHead(vocab, hidden, params_dtype=dtype)
+    del head.weight
+    head.weight = weight
+    return head
+
+
+def hot_logits(payload: dict) -> dict:
+    """Draft logits of the plugin's processor for every (map, layout, exchange) case.
+
+    Returns, per case, this rank's logits plus the independent single-rank reference
+    ``h @ W[hot].T`` computed from the full checkpoint.
+    """
+    from transformers import LlamaConfig
+
+    from sglang_frspec.adapters.head import describe_head_shard
+    from sglang_frspec.adapters.logits import FrSpecLogitsProcessor
+    from sglang_frspec.core import build_local_head, canonical_hot_ids, plan_from_ranges
+
+    vocab, hidden = payload["vocab"], payload["hidden"]
+    dtype = getattr(torch, payload.get("dtype", "float32"))
+    target, full = _target_head(vocab, hidden, dtype, seed=0)
+    shard = describe_head_shard(target)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_attention_heads=hidden // 16)
+    hidden_states = torch.randn(payload["rows"], hidden, generator=torch.Generator().manual_seed(1))
+    hidden_states = hidden_states.to(dtype)
+    out = {"rank": shard.rank, "ranges": shard.shard_ranges}
+    for name, ids in payload["maps"].items():
+        hot = canonical_hot_ids(torch.tensor(ids), vocab).ids
+        reference = (hidden_states.float() @ full[hot].float().T).float()
+        for layout in payload["layouts"]:
+            plan = plan_from_ranges(hot, shard.shard_ranges, layout)
+            local_head = build_local_head(target.weight, plan, shard.rank, shard.all_gather)
+            draft = _draft_head(vocab, hidden, dtype, local_head)
+            for exchange in payload["exchanges"]:
+                processor = FrSpecLogitsProcessor(config, plan, shard, exchange, payload["topk"], "cpu")
+                logits = processor._get_logits(hidden_states, draft, None, use_logits_buffer=False)
+                out[(name, layout, exchange)] = {
+                    "logits": logits,
+                    "reference": reference,
+                    "counts": plan.counts,
+                    "local_rows": local_head.shape[0],
+                }
+    return out
+
+
+def agree(payload: dict) -> str:
+    """Each rank validates its own map and joins the agreement step; returns the error text."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_frspec.adapters.worker import agree_across_ranks
+    from sglang_frspec.core import TokenMapError, canonical_hot_ids
+
+    rank = get_parallel().tp_rank
+    try:
+        hot = canonical_hot_ids(torch.tensor(payload["maps"][rank]), payload["vocab"])
+        status = ("ok", hot.digest, len(hot))
+    except TokenMapError as e:
+        status = ("error", str(e))
+    try:
+        agree_across_ranks(status, get_parallel().tp_group)
+    except TokenMapError as e:
+        return str(e)
+    return "agreed"

@@ -1,0 +1,117 @@
+"""The plugin's draft logits on real SGLang gloo TP groups, against the single-rank reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_frspec.core import canonical_hot_ids, vocab_shard_ranges
+from sglang_frspec.testing.tp_group import run_tp_group
+
+pytestmark = pytest.mark.multirank
+
+VOCAB, HIDDEN, ROWS, TOPK = 5003, 48, 6, 4  # 5003: not a multiple of 64
+
+
+def _maps(tp: int) -> dict[str, list[int]]:
+    """Skewed, uniform and adversarial maps for this TP size."""
+    gen = torch.Generator().manual_seed(tp)
+    ranges = vocab_shard_ranges(VOCAB, tp)
+    first_end, last_start = ranges[0][1], ranges[-1][0]
+    # BPE-like skew: frequent (hot) tokens concentrate at low ids.
+    weights = 1.0 / (torch.arange(VOCAB, dtype=torch.float64) + 50.0)
+    skewed = torch.multinomial(weights, 600, replacement=False, generator=gen)
+    boundaries = [i for s, e in ranges for i in (s, s + 1, e - 1) if s < e]
+    return {
+        "skewed": skewed.tolist(),
+        "uniform": torch.randperm(VOCAB, generator=gen)[:500].tolist(),
+        # One rank holds every hot id, the others none (idle ranks still join collectives).
+        "all_on_rank0": torch.randperm(first_end, generator=gen)[:300].tolist(),
+        "all_on_last": (last_start + torch.randperm(VOCAB - last_start, generator=gen)[:77]).tolist(),
+        # Ids at 0, V-1 and every shard boundary, listed unsorted with duplicates.
+        "adversarial": [VOCAB - 1, *boundaries, 0, 0, VOCAB - 1],
+    }
+
+
+def _check_group(results: list[dict], tp: int, dtype: str) -> None:
+    assert [r["rank"] for r in results] == list(range(tp))
+    assert results[0]["ranges"] == vocab_shard_ranges(VOCAB, tp)  # SGLang's shards == our math
+    cases = [key for key in results[0] if isinstance(key, tuple)]
+    assert len(cases) == 5 * 2 * 2
+    for key in cases:
+        name, layout, exchange = key
+        logits = [r[key]["logits"] for r in results]
+        reference = results[0][key]["reference"]
+        for other in logits[1:]:  # bit-identical on every rank
+            assert torch.equal(logits[0], other), key
+        got = logits[0]
+        assert got.dtype == torch.float32 and got.is_contiguous(), key
+        assert got.shape == reference.shape, key
+        if exchange == "full":
+            if dtype == "float32":
+                torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-4, msg=str(key))
+            else:
+                scale = reference.abs().max().item()
+                torch.testing.assert_close(got, reference, rtol=1e-2, atol=8e-3 * scale, msg=str(key))
+        else:  # the top-k packet must reproduce the full logits' top-k exactly
+            full = results[0][(name, layout, "full")]["logits"]
+            k = min(TOPK, full.shape[1] - 1)
+            want_p, want_i = torch.softmax(full, -1).topk(k, dim=-1)
+            got_p, got_i = torch.softmax(got, -1).topk(k, dim=-1)
+            # Same ids, except that exact ties (common in bf16) may break either way.
+            assert torch.equal(full.gather(1, got_i), full.gather(1, want_i)), key
+            assert (got_i == want_i).float().mean() > 0.9, key
+            torch.testing.assert_close(got_p, want_p, rtol=1e-4, atol=1e-6, msg=str(key))
+        counts = results[0][key]["counts"]
+        if layout == "balanced":
+            assert max(counts) - min(counts) <= 1, key
+            assert {r[key]["local_rows"] for r in results} == {max(counts)}, key
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_hot_logits_match_single_rank_reference(tp):
+    results = run_tp_group(
+        "tests.rank_cases:hot_logits",
+        tp,
+        {"vocab": VOCAB, "hidden": HIDDEN, "rows": ROWS, "topk": TOPK, "maps": _maps(tp),
+         "layouts": ["local", "balanced"], "exchanges": ["full", "topk"]},
+    )  # fmt: skip
+    _check_group(results, tp, "float32")
+    # The skewed map really is skewed under the local layout (that is what balanced fixes).
+    local = results[0][("skewed", "local", "full")]["counts"]
+    assert max(local) > 1.5 * sum(local) / tp
+
+
+def test_hot_logits_bf16_and_idle_rows():
+    results = run_tp_group(
+        "tests.rank_cases:hot_logits",
+        2,
+        {"vocab": VOCAB, "hidden": HIDDEN, "rows": ROWS, "topk": TOPK, "maps": _maps(2),
+         "layouts": ["local", "balanced"], "exchanges": ["full", "topk"], "dtype": "bfloat16"},
+    )  # fmt: skip
+    _check_group(results, 2, "bfloat16")
+    idle = run_tp_group(
+        "tests.rank_cases:hot_logits",
+        2,
+        {"vocab": VOCAB, "hidden": HIDDEN, "rows": 0, "topk": TOPK, "maps": _maps(2),
+         "layouts": ["local", "balanced"], "exchanges": ["full", "topk"]},
+    )  # fmt: skip
+    for key in [k for k in idle[0] if isinstance(k, tuple)]:
+        num_hot = len(canonical_hot_ids(torch.tensor(_maps(2)[key[0]]), VOCAB))
+        assert idle[0][key]["logits"].shape == (0, num_hot)
+
+
+def test_ranks_with_different_maps_fail_together_naming_both_digests():
+    maps = [list(range(10, 200)), list(range(10, 201))]
+    errors = run_tp_group("tests.rank_cases:agree", 2, {"vocab": VOCAB, "maps": maps})
+    digests = [canonical_hot_ids(torch.tensor(m), VOCAB).digest[:16] for m in maps]
+    for error in errors:
+        assert "different token maps" in error
+        assert all(d in error for d in digests)
+
+
+def test_one_rank_with_a_bad_map_fails_every_rank():
+    maps = [list(range(10, 200)), [5, VOCAB + 7]]
+    errors = run_tp_group("tests.rank_cases:agree", 2, {"vocab": VOCAB, "maps": maps})
+    for error in errors:
+        assert "TP rank 1 of 2" in error and f">= the target's vocab size {VOCAB}" in error
