@@ -12,6 +12,7 @@ from sglang.srt.layers.vocab_parallel_embedding import (
 from sglang.srt.runtime_context import get_parallel
 
 from sglang_frspec.core import UnsupportedSetupError
+from sglang_frspec.core.gather import AllGather
 
 _SLICEABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -30,12 +31,14 @@ class HeadShard:
     def tp_size(self) -> int:
         return len(self.shard_ranges)
 
-    def group(self):
-        """The GroupCoordinator that shards the head, read now (drafts may patch groups)."""
-        return getattr(get_parallel(), f"{self.group_name}_group")
+    @property
+    def all_gather(self) -> AllGather:
+        """All-gather over the group that shards the head; None when nothing is sharded."""
+        return self._all_gather if self.group_name else None
 
-    def all_gather(self, output: torch.Tensor, local: torch.Tensor) -> None:
-        self.group().all_gather_into_tensor(output, local)
+    def _all_gather(self, output: torch.Tensor, local: torch.Tensor) -> None:
+        # Looked up per call: SGLang may patch the parallel groups around draft forwards.
+        getattr(get_parallel(), f"{self.group_name}_group").all_gather_into_tensor(output, local)
 
 
 def find_head_module(target_model: torch.nn.Module, head: torch.Tensor) -> VocabParallelEmbedding:

@@ -62,11 +62,10 @@ class FrSpecLogitsProcessor(LogitsProcessor):
             hidden_states, logits_metadata
         )
         local = self._local_logits(hidden_states, lm_head.weight)
-        all_gather = self.shard.all_gather if self.shard.group_name else None
         if self.exchange == "topk":
-            logits = self.hot_logits.topk(local, self.topk, all_gather)
+            logits = self.hot_logits.topk(local, self.topk, self.shard.all_gather)
         else:
-            logits = self.hot_logits.full(local, all_gather)
+            logits = self.hot_logits.full(local, self.shard.all_gather)
         logits = self._scatter_dp_attn_logits(logits, local_hidden_states, logits_metadata)
         logits = self._copy_logits_to_buffer(logits, logits_metadata, use_buffer=use_logits_buffer)
         return logits.contiguous()

@@ -15,12 +15,14 @@ import torch
 
 from sglang_frspec.core.plan import HotShardPlan, plan_from_ranges
 
-AllGather = Callable[[torch.Tensor, torch.Tensor], None]
+AllGather = Callable[[torch.Tensor, torch.Tensor], None] | None  # None: a group of one
 EXCHANGES = ("full", "topk")
 
 
 def _gather(local: torch.Tensor, tp_size: int, all_gather: AllGather) -> torch.Tensor:
     """All-gather ``local`` [n, ...] into a rank-major [tp, n, ...] tensor."""
+    if tp_size == 1:
+        return local.unsqueeze(0)
     local = local.contiguous()
     out = local.new_empty((tp_size * local.shape[0], *local.shape[1:]))
     all_gather(out, local)
@@ -101,10 +103,7 @@ class HotLogitsExchange:
             rest = mine.scatter(1, top_slots, -math.inf)
             rest_lse = torch.logsumexp(rest, dim=1, keepdim=True)
         packet = torch.cat([values, indices, rest_lse], dim=1)  # [T, 2k+1]
-        if self.plan.tp_size > 1:
-            gathered = _gather(packet, self.plan.tp_size, all_gather)
-        else:
-            gathered = packet.unsqueeze(0)
+        gathered = _gather(packet, self.plan.tp_size, all_gather)
         rank_major = gathered.permute(1, 0, 2)  # [T, tp, 2k+1]
         num_candidates = self.plan.tp_size * k
         cand_values = rank_major[:, :, :k].reshape(num_rows, num_candidates)

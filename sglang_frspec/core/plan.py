@@ -104,7 +104,8 @@ class HotShardPlan:
     @property
     def compaction_is_slice(self) -> bool:
         """True when the gathered columns are already in hot order (no padding in between)."""
-        return all(c == self.width for c in self.counts[:-1])
+        last = max(r for r, c in enumerate(self.counts) if c)
+        return all(c == self.width for c in self.counts[:last])
 
     @property
     def imbalance(self) -> float:

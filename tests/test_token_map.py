@@ -1,0 +1,84 @@
+"""Reading and validating token-map files: every bad input gets a clear, specific error."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from sglang_frspec.adapters.token_map import load_token_map_ids
+from sglang_frspec.core import TokenMapError, canonical_hot_ids, read_token_map
+
+
+def _save(tmp_path, obj, name="map.pt"):
+    path = tmp_path / name
+    torch.save(obj, path)
+    return str(path)
+
+
+def test_tensor_and_frspec_list_formats(tmp_path):
+    ids = [5, 1, 9, 1, 3]
+    from_tensor = read_token_map(_save(tmp_path, torch.tensor(ids), "t.pt"))
+    from_list = read_token_map(_save(tmp_path, ids, "l.pt"))
+    from_int32 = read_token_map(_save(tmp_path, torch.tensor(ids, dtype=torch.int32), "i.pt"))
+    for got in (from_tensor, from_list, from_int32):
+        assert got.dtype == torch.int64 and got.tolist() == ids  # file order, duplicates kept
+    hot = canonical_hot_ids(from_list, 10)
+    assert hot.ids.tolist() == [1, 3, 5, 9] and hot.num_duplicates == 1
+    assert hot.digest == canonical_hot_ids(torch.tensor([9, 5, 3, 1]), 10).digest
+
+
+BAD_OBJECTS = {
+    "2d": (torch.zeros(2, 3, dtype=torch.int64), "2-D tensor of shape (2, 3)"),
+    "float": (torch.tensor([1.0, 2.0]), "torch.float32 tensor"),
+    "bool": (torch.tensor([True, False]), "torch.bool tensor"),
+    "strings": (["a", "b"], "str element ('a')"),
+    "nested": ([[1, 2], [3]], "list element"),
+    "empty_list": ([], "is empty"),
+    "empty_tensor": (torch.zeros(0, dtype=torch.int64), "is empty"),
+    "dict": ({"ids": [1, 2]}, "holds a dict"),
+    "bools_in_list": ([1, True], "bool element"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OBJECTS))
+def test_bad_contents(tmp_path, case):
+    obj, message = BAD_OBJECTS[case]
+    path = _save(tmp_path, obj)
+    with pytest.raises(TokenMapError, match="token map") as err:
+        read_token_map(path)
+    assert message in str(err.value) and path in str(err.value)
+
+
+def test_missing_file(tmp_path):
+    path = str(tmp_path / "nope.pt")
+    with pytest.raises(TokenMapError, match="no such file"):
+        load_token_map_ids(path)
+
+
+def test_not_loadable_with_weights_only(tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"this is not a torch file")
+    with pytest.raises(TokenMapError, match=r"cannot be read with torch.load\(weights_only=True\)"):
+        read_token_map(garbage)
+    pickled = _save(tmp_path, argparse.Namespace(ids=[1, 2]), "obj.pt")
+    with pytest.raises(TokenMapError, match="weights_only"):
+        read_token_map(pickled)
+
+
+def test_relative_path_that_is_neither_file_nor_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TokenMapError, match="not a local file, and fetching it as a hub"):
+        load_token_map_ids("some-org/some-repo/freq_32768.pt")
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [([-3, 4], "1 negative id"), ([4, 10, 11], "2 id(s) >= the target's vocab size 10")],
+)
+def test_out_of_range(ids, message):
+    with pytest.raises(TokenMapError) as err:
+        canonical_hot_ids(torch.tensor(ids), 10, source="m.pt")
+    assert message in str(err.value) and "m.pt" in str(err.value)
