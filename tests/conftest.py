@@ -48,15 +48,24 @@ def start_server(request, tmp_path):
     servers: list[SGLangServer] = []
     request.node.stash[_SERVERS_KEY] = servers
 
-    def start(fixture, tp: int, token_map: str | None = None, *, plugin: bool = True,
-              extra: tuple = (), env: dict | None = None, wait: bool = True,
-              eagle: bool = True) -> SGLangServer:  # fmt: skip
+    def start(
+        fixture,
+        tp: int,
+        token_map: str | None = None,
+        *,
+        plugin: bool = True,
+        extra: tuple = (),
+        env: dict | None = None,
+        wait: bool = True,
+        eagle: bool = True,
+    ) -> SGLangServer:
         args = ["--model-path", fixture.target, "--tp-size", str(tp), *CPU_SERVER_ARGS]
         if eagle:
             args += eagle_args(fixture.draft, token_map)
         args += list(extra)
-        server = SGLangServer(args, cpu_env(tp, with_plugin=plugin, base=env),
-                              tmp_path / f"server{len(servers)}.log")  # fmt: skip
+        server = SGLangServer(
+            args, cpu_env(tp, with_plugin=plugin, base=env), tmp_path / f"server{len(servers)}.log"
+        )
         servers.append(server)
         server.start()
         return server.wait_ready() if wait else server

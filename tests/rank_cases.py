@@ -82,3 +82,37 @@ def agree(payload: dict) -> str:
     except TokenMapError as e:
         return str(e)
     return "agreed"
+
+
+def dp_lm_head_logits(payload: dict) -> dict:
+    """Under DP attention with --enable-dp-lm-head the head is sharded over the attention-TP
+    group; build it as Llama does and check the plugin plans and gathers on that group."""
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+    from sglang.srt.runtime_context import get_parallel
+    from transformers import LlamaConfig
+
+    from sglang_frspec.adapters.head import describe_head_shard
+    from sglang_frspec.adapters.logits import FrSpecLogitsProcessor
+    from sglang_frspec.core import build_local_head, canonical_hot_ids, plan_from_ranges
+
+    vocab, hidden, parallel = payload["vocab"], payload["hidden"], get_parallel()
+    full = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0))
+    target = ParallelLMHead(vocab, hidden, params_dtype=torch.float32,
+                            use_attn_tp_group=parallel.enable_dp_lm_head)  # fmt: skip
+    target.weight_loader(target.weight, full)
+    shard = describe_head_shard(target)
+    hot = canonical_hot_ids(torch.tensor(payload["map"]), vocab).ids
+    # Each DP rank has its own tokens: the hidden states differ between attention-TP groups.
+    hidden_states = torch.randn(3, hidden, generator=torch.Generator().manual_seed(parallel.attn_dp_rank))
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_attention_heads=hidden // 16)
+    out = {"tp_rank": parallel.tp_rank, "attn_dp_rank": parallel.attn_dp_rank,
+           "group": shard.group_name, "shard_rank": shard.rank, "ranges": shard.shard_ranges}  # fmt: skip
+    for layout in ("local", "balanced"):
+        plan = plan_from_ranges(hot, shard.shard_ranges, layout)
+        local_head = build_local_head(target.weight, plan, shard.rank, shard.all_gather)
+        processor = FrSpecLogitsProcessor(config, plan, shard, "full", 2, "cpu")
+        assert not processor.do_tensor_parallel_all_gather_dp_attn
+        draft = _draft_head(vocab, hidden, torch.float32, local_head)
+        out[layout] = processor._get_logits(hidden_states, draft, None, use_logits_buffer=False)
+    out["reference"] = hidden_states @ full[hot].T
+    return out

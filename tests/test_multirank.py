@@ -73,9 +73,16 @@ def test_hot_logits_match_single_rank_reference(tp):
     results = run_tp_group(
         "tests.rank_cases:hot_logits",
         tp,
-        {"vocab": VOCAB, "hidden": HIDDEN, "rows": ROWS, "topk": TOPK, "maps": _maps(tp),
-         "layouts": ["local", "balanced"], "exchanges": ["full", "topk"]},
-    )  # fmt: skip
+        {
+            "vocab": VOCAB,
+            "hidden": HIDDEN,
+            "rows": ROWS,
+            "topk": TOPK,
+            "maps": _maps(tp),
+            "layouts": ["local", "balanced"],
+            "exchanges": ["full", "topk"],
+        },
+    )
     _check_group(results, tp, "float32")
     # The skewed map really is skewed under the local layout (that is what balanced fixes).
     local = results[0][("skewed", "local", "full")]["counts"]
@@ -86,16 +93,31 @@ def test_hot_logits_bf16_and_idle_rows():
     results = run_tp_group(
         "tests.rank_cases:hot_logits",
         2,
-        {"vocab": VOCAB, "hidden": HIDDEN, "rows": ROWS, "topk": TOPK, "maps": _maps(2),
-         "layouts": ["local", "balanced"], "exchanges": ["full", "topk"], "dtype": "bfloat16"},
-    )  # fmt: skip
+        {
+            "vocab": VOCAB,
+            "hidden": HIDDEN,
+            "rows": ROWS,
+            "topk": TOPK,
+            "maps": _maps(2),
+            "layouts": ["local", "balanced"],
+            "exchanges": ["full", "topk"],
+            "dtype": "bfloat16",
+        },
+    )
     _check_group(results, 2, "bfloat16")
     idle = run_tp_group(
         "tests.rank_cases:hot_logits",
         2,
-        {"vocab": VOCAB, "hidden": HIDDEN, "rows": 0, "topk": TOPK, "maps": _maps(2),
-         "layouts": ["local", "balanced"], "exchanges": ["full", "topk"]},
-    )  # fmt: skip
+        {
+            "vocab": VOCAB,
+            "hidden": HIDDEN,
+            "rows": 0,
+            "topk": TOPK,
+            "maps": _maps(2),
+            "layouts": ["local", "balanced"],
+            "exchanges": ["full", "topk"],
+        },
+    )
     for key in [k for k in idle[0] if isinstance(k, tuple)]:
         num_hot = len(canonical_hot_ids(torch.tensor(_maps(2)[key[0]]), VOCAB))
         assert idle[0][key]["logits"].shape == (0, num_hot)
@@ -115,3 +137,22 @@ def test_one_rank_with_a_bad_map_fails_every_rank():
     errors = run_tp_group("tests.rank_cases:agree", 2, {"vocab": VOCAB, "maps": maps})
     for error in errors:
         assert "TP rank 1 of 2" in error and f">= the target's vocab size {VOCAB}" in error
+
+
+def test_dp_lm_head_shards_over_the_attention_tp_group():
+    """tp=4 with 2 DP-attention ranks and --enable-dp-lm-head: attention-TP groups of 2."""
+    hot = _maps(2)["skewed"]
+    results = run_tp_group(
+        "tests.rank_cases:dp_lm_head_logits",
+        4,
+        {"vocab": VOCAB, "hidden": HIDDEN, "map": hot},
+        server_args={"enable_dp_attention": True, "dp_size": 2, "enable_dp_lm_head": True},
+    )
+    assert [(r["attn_dp_rank"], r["shard_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in results:
+        assert r["group"] == "attn_tp" and r["ranges"] == vocab_shard_ranges(VOCAB, 2)
+        for layout in ("local", "balanced"):
+            torch.testing.assert_close(r[layout], r["reference"], rtol=1e-5, atol=1e-4)
+    for group in (results[:2], results[2:]):  # identical within each attention-TP group
+        assert torch.equal(group[0]["local"], group[1]["local"])
+        assert torch.equal(group[0]["balanced"], group[1]["balanced"])

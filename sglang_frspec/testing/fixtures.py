@@ -24,6 +24,7 @@ import torch
 from sglang_frspec.core.plan import vocab_shard_ranges
 
 LLAMA3_VOCAB = 128256
+FIXTURE_FORMAT = 2  # bump when the builder changes, so cached copies are rebuilt
 
 
 def cache_root() -> Path:
@@ -199,8 +200,8 @@ def _build_perm(root: Path, vocab: int, hidden: int, num_hot: int, seed: int) ->
             ids.append(int(pi[ids[-1]]))
         return ids
 
-    chain = follow(int(cross_cycle[cross_cycle >= hi_start][0]), 256)
-    low_chain = follow(int(low_cycle[0]), min(256, low_cycle.numel()))
+    chain = follow(int(cross_cycle[cross_cycle >= hi_start][0]), 1024)  # wraps around the cycle
+    low_chain = follow(int(low_cycle[0]), 256)
     (root / "perm_chain.json").write_text(
         json.dumps({"chain": chain, "low_chain": low_chain, "num_hot": len(hot)})
     )
@@ -217,7 +218,7 @@ def perm_fixture(
     vocab_size: int = 32000, hidden_size: int = 128, num_hot: int = 512, seed: int = 1234
 ) -> PermFixture:
     """Build (once, cached) and return the permutation fixture for these sizes."""
-    root = cache_root() / f"perm-v{vocab_size}-h{hidden_size}-n{num_hot}-s{seed}"
+    root = cache_root() / f"perm{FIXTURE_FORMAT}-v{vocab_size}-h{hidden_size}-n{num_hot}-s{seed}"
     if not (root / "perm_chain.json").exists():
         root.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))

@@ -1,0 +1,95 @@
+"""``sglang-frspec plan``: how a token map spreads over the ranks of a vocab-parallel head."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sglang_frspec.core import LAYOUTS, HotShardPlan, UnsupportedSetupError, plan_hot_shards
+from sglang_frspec.core.plan import DEFAULT_VOCAB_PADDING_SIZE
+from sglang_frspec.core.token_map import read_token_map
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="per-rank table of a token map under TP (vocab ranges, hot ids, width, bytes)",
+        description="Show how a token map is split over the TP ranks of the target LM head, for "
+        "each layout: vocab range per rank, hot ids it owns, columns it computes, the padded "
+        "width, max/mean imbalance and the bytes gathered per logits row.",
+    )
+    p.add_argument("--token-map", required=True, help="token-map file (.pt tensor or list)")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--vocab-size", type=int, help="target vocab size (config.vocab_size)")
+    size.add_argument("--model-path", help="read the vocab size from this model's config.json")
+    p.add_argument("--tp", type=int, required=True, help="size of the group sharding the head")
+    p.add_argument("--layout", choices=[*LAYOUTS, "all"], default="all")
+    p.add_argument(
+        "--padding-size",
+        type=int,
+        default=DEFAULT_VOCAB_PADDING_SIZE,
+        help="vocab padding unit of the target head (SGLang default: 64)",
+    )
+    p.add_argument(
+        "--dtype-bytes", type=int, default=2, help="bytes per logit on the wire (2 for bf16/fp16, 4 for fp32)"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--plot", metavar="PNG", help="also save a bar chart of the hot ids each rank computes, per layout"
+    )
+    p.set_defaults(func=run)
+
+
+def vocab_size_of(model_path: str) -> int:
+    """The original vocab size in a local model's config (text config for multimodal models)."""
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(model_path).get_text_config().vocab_size)
+    except (OSError, ValueError, AttributeError) as e:  # missing folder, no/odd config.json
+        raise UnsupportedSetupError(
+            f"model {model_path!r}: cannot read its vocab size with transformers.AutoConfig "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Pass the model's "
+            "directory (with config.json) or --vocab-size."
+        ) from e
+
+
+def make_plans(args: argparse.Namespace) -> list[HotShardPlan]:
+    vocab = args.vocab_size or vocab_size_of(args.model_path)
+    ids = read_token_map(args.token_map)
+    layouts = LAYOUTS if args.layout == "all" else (args.layout,)
+    return [
+        plan_hot_shards(ids, vocab, args.tp, padding_size=args.padding_size, layout=layout)
+        for layout in layouts
+    ]
+
+
+def format_table(plan: HotShardPlan, dtype_bytes: int) -> str:
+    lines = [
+        f"layout {plan.layout}: {plan.num_hot} hot ids over {plan.tp_size} rank(s), width "
+        f"{plan.width}, max/mean {plan.imbalance:.2f}, gathered "
+        f"{plan.gathered_bytes_per_row(dtype_bytes):,} B per logits row",
+        f"{'rank':>4}  {'vocab range':>19}  {'owned hot':>9}  {'columns':>7}  {'padding':>7}",
+    ]
+    for r in range(plan.tp_size):
+        start, end = plan.shard_ranges[r]
+        lines.append(
+            f"{r:>4}  {f'[{start}, {end})':>19}  {plan.owned_counts[r]:>9}  "
+            f"{plan.counts[r]:>7}  {plan.width - plan.counts[r]:>7}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    plans = make_plans(args)
+    if args.json:
+        print(json.dumps([p.describe(args.dtype_bytes) for p in plans], indent=2))
+    else:
+        print("\n\n".join(format_table(p, args.dtype_bytes) for p in plans))
+    if args.plot:
+        from sglang_frspec.maps import plot_plans
+
+        plot_plans(plans, args.plot)
+        print(f"plot saved to {args.plot}", file=sys.stderr)  # stderr: --json output stays pure JSON
+    return 0

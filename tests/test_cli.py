@@ -1,0 +1,72 @@
+"""The ``sglang-frspec`` command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglang_frspec import __version__
+from sglang_frspec.core import vocab_shard_ranges
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sglang_frspec", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_version_and_help():
+    assert cli("--version").stdout.strip() == f"sglang-frspec {__version__}"
+    help_text = cli("--help").stdout
+    for command in ("demo", "plan"):
+        assert command in help_text
+
+
+def test_plan_table_and_json(tmp_path):
+    vocab, tp = 128256, 2
+    (s0, e0), (s1, e1) = vocab_shard_ranges(vocab, tp)
+    ids = torch.cat([torch.arange(0, 3000), torch.arange(s1, s1 + 1000)])
+    torch.save(ids, tmp_path / "map.pt")
+    args = ["plan", "--token-map", str(tmp_path / "map.pt"), "--vocab-size", str(vocab), "--tp", "2"]
+    table = cli(*args)
+    assert table.returncode == 0, table.stderr
+    assert "layout local: 4000 hot ids over 2 rank(s), width 3000, max/mean 1.50" in table.stdout
+    assert f"[{s1}, {e1})" in table.stdout
+    plans = json.loads(cli(*args, "--json").stdout)
+    local, balanced = plans
+    assert [r["columns"] for r in local["ranks"]] == [3000, 1000]
+    assert [r["owned_hot_ids"] for r in balanced["ranks"]] == [3000, 1000]
+    assert [r["columns"] for r in balanced["ranks"]] == [2000, 2000]
+    assert local["gathered_bytes_per_row"] == 2 * 3000 * 2
+    assert balanced["gathered_bytes_per_row"] == 2 * 2000 * 2
+
+
+def test_plan_reads_the_vocab_from_a_model(perm):
+    out = cli(
+        "plan", "--token-map", perm.token_map("hot"), "--model-path", perm.target, "--tp", "2", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)[0]["ranks"][1]["vocab_range"] == [16000, 32000]
+
+
+def test_plan_bad_map_is_a_clear_error(tmp_path):
+    torch.save(torch.tensor([1.5, 2.0]), tmp_path / "float.pt")
+    out = cli("plan", "--token-map", str(tmp_path / "float.pt"), "--vocab-size", "10", "--tp", "2")
+    assert out.returncode == 2
+    assert "sglang-frspec plan: error: token map" in out.stderr and "torch.float32" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.server
+def test_demo_main_job(tmp_path):
+    """The README's main job on its embedded default (Llama-3-size vocab, TP=2, CPU)."""
+    out = cli("demo", "--requests", "4", "--max-new-tokens", "24", "--log-dir", str(tmp_path), timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "plain greedy follows the fixture's pi chain: yes" in out.stdout
+    assert "all outputs equal plain greedy decoding" in out.stdout
+    row = next(line for line in out.stdout.splitlines() if line.startswith("EAGLE + map"))
+    assert row.split()[-3:-1] == ["yes", "3.00"]

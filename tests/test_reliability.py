@@ -1,0 +1,204 @@
+"""Bad inputs and unsupported setups fail clearly and fast; serving stays correct under load
+and across weight updates. Every case runs a real server start-up or a real SGLang object."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from sglang_frspec.testing.cpu import cpu_env
+
+pytestmark = pytest.mark.server
+EXIT_TIMEOUT = 240  # seconds a failing start-up may take before we call it a hang
+
+BAD_MAPS = {
+    "missing": (None, "no such file"),
+    "garbage": (b"not a torch file", "cannot be read with torch.load(weights_only=True)"),
+    "2d": (torch.zeros(2, 3, dtype=torch.int64), "2-D tensor of shape (2, 3)"),
+    "float": (torch.tensor([1.0, 2.0]), "holds a torch.float32 tensor"),
+    "bool": (torch.tensor([True, False]), "holds a torch.bool tensor"),
+    "strings": (["w5", "w6"], "str element ('w5')"),
+    "empty": (torch.zeros(0, dtype=torch.int64), "is empty"),
+    "negative": (torch.tensor([5, -1, 7]), "1 negative id(s)"),
+    "too_big": (torch.tensor([5, 40000]), "1 id(s) >= the target's vocab size 32000"),
+    "padding_row": (torch.tensor([5, 32000]), "would select padding or LoRA-added rows"),
+}
+
+
+def _write_map(tmp_path, case):
+    content, _ = BAD_MAPS[case]
+    path = tmp_path / f"{case}.pt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        torch.save(content, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MAPS))
+def test_bad_map_fails_fast_before_device_work(perm, start_server, tmp_path, case):
+    server = start_server(perm, 2, _write_map(tmp_path, case), wait=False)
+    started = time.monotonic()
+    assert server.wait_exit(EXIT_TIMEOUT) != 0
+    log = server.log_path.read_text()
+    assert BAD_MAPS[case][1] in log and f"{case}.pt" in log
+    assert "Load weight begin" not in log  # rejected at argument time: no model was loaded
+    assert time.monotonic() - started < EXIT_TIMEOUT
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--speculative-algorithm", "STANDALONE"], "works only with --speculative-algorithm EAGLE"),
+        (["--speculative-algorithm", "NGRAM"], "works only with --speculative-algorithm EAGLE"),
+        (["--enable-multi-layer-eagle"], "cannot be combined with --enable-multi-layer-eagle"),
+        (["--load-format", "gguf"], "cannot be used with a GGUF target"),
+    ],
+)
+def test_unsupported_combinations_are_rejected_at_argument_time(perm, start_server, extra, message):
+    server = start_server(perm, 2, perm.token_map("hot"), extra=tuple(extra), wait=False)
+    assert server.wait_exit(EXIT_TIMEOUT) != 0
+    log = server.log_path.read_text()
+    assert message in log and "Load weight begin" not in log
+
+
+def test_rejection_sampling_keeps_upstreams_guard(perm, start_server):
+    topk1 = ("--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
+    server = start_server(perm, 2, perm.token_map("hot"), wait=False,
+                          extra=("--speculative-use-rejection-sampling", *topk1))  # fmt: skip
+    assert server.wait_exit(EXIT_TIMEOUT) != 0
+    assert "--speculative-use-rejection-sampling requires the draft and target to share one vocab" in (
+        server.log_path.read_text()
+    )
+
+
+def test_tied_draft_fails_on_every_rank(perm, start_server, tmp_path):
+    """Found only once the draft is loaded: every rank raises together; the server exits."""
+    draft = tmp_path / "tied-eagle"
+    shutil.copytree(perm.draft, draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    server = start_server(perm, 2, perm.token_map("hot"), wait=False,
+                          extra=("--speculative-draft-model-path", str(draft)))  # fmt: skip
+    assert server.wait_exit(EXIT_TIMEOUT) != 0
+    log = server.log_path.read_text()
+    assert "ties its LM head to its input embeddings (tie_word_embeddings" in log
+    assert "TP0] Scheduler hit an exception" in log or "TP1] Scheduler hit an exception" in log
+
+
+def test_hook_guard_rejects_tp_maps_when_hooks_are_not_active(perm):
+    """register() ran but SGLang did not apply the hooks: refuse, naming the hook."""
+    script = f"""
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang_frspec import plugin
+from sglang_frspec.adapters.args import check_speculative_args
+plugin.register()
+args = ServerArgs(model_path={perm.target!r}, tp_size=2, device="cpu",
+                  speculative_algorithm="EAGLE", speculative_draft_model_path={perm.draft!r},
+                  speculative_token_map={perm.token_map("hot")!r})
+try:
+    check_speculative_args(args, lambda a: None)
+except Exception as e:
+    print("REFUSED:", e)
+HookRegistry.apply_hooks()
+check_speculative_args(args, lambda a: None)
+print("ACCEPTED after apply_hooks")
+"""
+    out = subprocess.run([sys.executable, "-c", script], env=cpu_env(2), capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "REFUSED: sglang-frspec is loaded but its hook(s) on" in out.stdout
+    assert "EagleDraftWorker.init_lm_head" in out.stdout
+    assert out.stdout.rstrip().endswith("ACCEPTED after apply_hooks")
+
+
+def test_quantized_or_packed_heads_are_rejected():
+    """A real SGLang ParallelLMHead built with a quantization config that packs the head."""
+    script = """
+from sglang.srt.layers.quantization.gguf import GGUFConfig
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+from sglang_frspec.adapters.head import check_head_supported
+check_head_supported(ParallelLMHead(1000, 64))
+try:
+    check_head_supported(ParallelLMHead(1000, 64, quant_config=GGUFConfig(unquantized_modules=[])))
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+    out = subprocess.run([sys.executable, "-c", script], env=cpu_env(1), capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("UnsupportedSetupError: the target LM head is quantized (GGUF")
+
+
+def test_32_concurrent_mixed_requests_match_plain_decoding(perm, start_server):
+    gen = torch.Generator().manual_seed(7)
+    prompts = []
+    for i in range(32):
+        if i % 3 == 2:  # random tokens: the chain then runs through cold ids the map lacks
+            prompts.append(torch.randint(3, perm.vocab_size, (5 + i,), generator=gen).tolist())
+        else:
+            start = (i * 13) % 200
+            prompts.append(list(perm.chain[start : start + 3 + i]))
+    new_tokens = [8 + (i * 7) % 41 for i in range(32)]
+
+    def run_all(server):
+        with ThreadPoolExecutor(32) as pool:
+            futures = [pool.submit(server.generate, p, n) for p, n in zip(prompts, new_tokens)]
+            return [f.result() for f in futures]
+
+    plain = start_server(perm, 2, eagle=False)
+    expected = [out["output_ids"] for out in run_all(plain)]
+    plain.stop()
+    speculative = start_server(perm, 2, perm.token_map("hot"))
+    outs = run_all(speculative)
+    assert [out["output_ids"] for out in outs] == expected
+    assert [len(e) for e in expected] == new_tokens  # nothing dropped or cut short
+    accept = [out["meta_info"]["spec_accept_length"] for out in outs]
+    on_chain = [a for i, a in enumerate(accept) if i % 3 != 2]
+    off_chain = [a for i, a in enumerate(accept) if i % 3 == 2]
+    # Drafts on the chain are all accepted (short outputs end on a partial step).
+    assert sum(on_chain) / len(on_chain) > 2.7
+    assert sum(off_chain) / len(off_chain) < 2.0
+
+
+def _permuted_target(perm, tmp_path):
+    """A copy of the target whose head rows are permuted inside the hot set: greedy becomes
+    x -> tau^-1(pi(x)), still inside the hot set."""
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "perm-llama-b"
+    shutil.copytree(perm.target, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    hot = torch.load(perm.token_map("hot"))
+    tau = hot[torch.randperm(hot.numel(), generator=torch.Generator().manual_seed(3))]
+    head = tensors["lm_head.weight"]
+    head[hot] = head[tau].clone()  # head'[hot[i]] = head[tau[i]]
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return str(target)
+
+
+def test_weight_update_refreshes_the_hot_head(perm, start_server, tmp_path):
+    new_target = _permuted_target(perm, tmp_path)
+    # A later --model-path overrides the fixture's: plain greedy decoding of the new weights.
+    reference = start_server(perm, 2, eagle=False, extra=("--model-path", new_target))
+    prompt = list(perm.chain[:3])
+    new_greedy = reference.generate(prompt, 24)["output_ids"]
+    reference.stop()
+    assert new_greedy != list(perm.chain[3:27])  # the update really changes the model
+
+    server = start_server(perm, 2, perm.token_map("hot"))
+    assert server.generate(prompt, 24)["meta_info"]["spec_accept_length"] == 3.0
+    update = server.post("/update_weights_from_disk", {"model_path": new_target})
+    assert update["success"], update
+    out = server.generate(prompt, 24)
+    assert out["output_ids"] == new_greedy
+    # A stale hot head would still draft the old pi(x) and almost never be accepted.
+    assert out["meta_info"]["spec_accept_length"] == 3.0
