@@ -9,6 +9,7 @@ from sglang.srt.arg_groups.model_override_base import resolving_view
 
 from sglang_frspec.adapters.token_map import load_token_map_ids
 from sglang_frspec.core import UnsupportedSetupError, canonical_hot_ids
+from sglang_frspec.core.options import FrSpecOptions
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ def check_speculative_args(server_args, previous: Callable) -> None:
             "--speculative-token-map cannot be used with a GGUF target (--load-format gguf): "
             "its packed LM head rows cannot be sliced. Use a safetensors checkpoint."
         )
+    FrSpecOptions.from_env()  # an unknown layout/exchange fails here, not in every scheduler
     ids = load_token_map_ids(token_map)
     vocab_size = _target_vocab_size(cfg)
     if vocab_size is not None:

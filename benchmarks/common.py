@@ -1,0 +1,52 @@
+"""Shared pieces of the benchmark scripts: synthetic hot maps and interleaved timing stats."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+# Hot ids per eighth of a Llama-3 vocab for a top-32768 map (the reference anchors' estimate:
+# TP8 per-rank counts; summing neighbours gives the TP4 and TP2 rows of the same table).
+LLAMA3_EIGHTHS = (11833, 7440, 4696, 3446, 2656, 2089, 522, 86)
+
+
+def skewed_map(vocab: int, num_hot: int, seed: int = 0) -> torch.Tensor:
+    """Hot ids spread over the vocab like a real BPE frequency map (frequent ids are small).
+
+    Each eighth of the vocab gets the share of hot ids the Llama-3 estimate gives it, so at
+    V=128256 and H=32768 the TP2/4/8 max/mean imbalance is 1.67/2.35/2.89.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shares = torch.tensor(LLAMA3_EIGHTHS, dtype=torch.float64)
+    counts = torch.floor(shares / shares.sum() * num_hot).long()
+    counts[0] += num_hot - int(counts.sum())
+    edges = [round(vocab * i / 8) for i in range(9)]
+    ids = []
+    for i, n in enumerate(counts.tolist()):
+        width = edges[i + 1] - edges[i]
+        ids.append(edges[i] + torch.randperm(width, generator=gen)[: min(n, width)])
+    return torch.cat(ids).sort().values
+
+
+def uniform_map(vocab: int, num_hot: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(vocab, generator=gen)[:num_hot].sort().values
+
+
+def hot_map(spec: str, vocab: int, num_hot: int) -> torch.Tensor:
+    """``skewed``, ``uniform`` or the path of a token-map file."""
+    if spec == "skewed":
+        return skewed_map(vocab, num_hot)
+    if spec == "uniform":
+        return uniform_map(vocab, num_hot)
+    from sglang_frspec.core import canonical_hot_ids, read_token_map
+
+    return canonical_hot_ids(read_token_map(spec), vocab, source=spec).ids
+
+
+def summarize(samples: list[float]) -> dict:
+    """Median and interquartile range of repeated measurements."""
+    ordered = sorted(samples)
+    quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
+    return {"median": statistics.median(ordered), "p25": quartiles[0], "p75": quartiles[2], "n": len(ordered)}
