@@ -22,7 +22,7 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_version_and_help():
     assert cli("--version").stdout.strip() == f"sglang-frspec {__version__}"
     help_text = cli("--help").stdout
-    for command in ("demo", "plan"):
+    for command in ("demo", "plan", "build-map", "inspect"):
         assert command in help_text
 
 

@@ -144,8 +144,25 @@ class SGLangServer:
         params = {"max_new_tokens": max_new_tokens, "temperature": 0.0} | sampling
         return self.post("/generate", {"input_ids": input_ids, "sampling_params": params})
 
+    def _signal_tree(self, sig: signal.Signals) -> None:
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(sig)
+
+    def suspend(self) -> None:
+        """SIGSTOP the whole tree: idle SGLang schedulers poll and would steal CPU from a
+        server being measured next to it."""
+        self._signal_tree(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_tree(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.resume()  # a stopped process would not act on SIGTERM
             kill_tree(self.proc.pid)
         if self.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):

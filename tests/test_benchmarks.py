@@ -1,0 +1,43 @@
+"""The benchmark scripts run end to end in a smoke mode (tiny sizes); timings are not checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run(script: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.multirank
+def test_bench_draft_head_smoke(tmp_path):
+    out = run("bench_draft_head.py", "--tp", "2", "--vocab", "5003", "--hot", "700", "--hidden", "64",
+              "--rows", "1", "4", "--repeats", "2", "--iters", "1", "--json", str(tmp_path / "r.json"),
+              "--plot", str(tmp_path / "r.png"))  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    data = json.loads((tmp_path / "r.json").read_text())
+    variants = {r["variant"] for r in data["results"]}
+    assert variants == {"(a) stock full vocab", "(c) tp1 fr-spec head", "(b) local/full", "(b) local/topk",
+                        "(b) balanced/full", "(b) balanced/topk"}  # fmt: skip
+    assert data["facts"]["(b) balanced/full"]["columns"] == [350, 350]
+    assert sum(data["facts"]["(b) local/full"]["columns"]) == 700
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+    assert "gathered B/step" in out.stdout
+
+
+@pytest.mark.server
+def test_bench_server_smoke(tmp_path):
+    out = run("bench_server.py", "--hidden", "128", "--requests", "2", "--max-new-tokens", "8",
+              "--rounds", "1", "--configs", "balanced/topk", "--json", str(tmp_path / "s.json"))  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = json.loads((tmp_path / "s.json").read_text())["results"]
+    assert [r["config"] for r in results] == ["stock EAGLE, no map", "map + plugin balanced/topk"]
+    assert all(r["outputs_equal_stock"] and r["accept_length"] > 2.0 for r in results)
