@@ -164,7 +164,10 @@ def build_variants(args, dtype, device, world) -> tuple[dict, dict]:
             variants[name] = step
             if exchange == "full":  # the plugin's logits are the stock logits' hot columns
                 torch.testing.assert_close(step(check), reference, rtol=2e-2, atol=2e-2)
-            bytes_per_row = processor.hot_logits.wire_bytes_per_row(exchange, itemsize, args.topk)
+            if processor.exchange == "topk":
+                bytes_per_row = plan.topk_bytes_per_row(args.topk)
+            else:
+                bytes_per_row = plan.gathered_bytes_per_row(itemsize)
             facts[name] = {
                 "bytes_per_row": bytes_per_row,
                 "columns": list(plan.counts),

@@ -35,6 +35,7 @@ def test_plan_table_and_json(tmp_path):
     table = cli(*args)
     assert table.returncode == 0, table.stderr
     assert "layout local: 4000 hot ids over 2 rank(s), width 3000, max/mean 1.50" in table.stdout
+    assert "12,000 B (exchange full), 72 B (exchange topk, k=4)" in table.stdout
     assert f"[{s1}, {e1})" in table.stdout
     plans = json.loads(cli(*args, "--json").stdout)
     local, balanced = plans
@@ -43,6 +44,7 @@ def test_plan_table_and_json(tmp_path):
     assert [r["columns"] for r in balanced["ranks"]] == [2000, 2000]
     assert local["gathered_bytes_per_row"] == 2 * 3000 * 2
     assert balanced["gathered_bytes_per_row"] == 2 * 2000 * 2
+    assert balanced["topk4_bytes_per_row"] == 2 * 9 * 4
 
 
 def test_plan_reads_the_vocab_from_a_model(perm):

@@ -119,7 +119,7 @@ def format_report(report: dict) -> str:
             for size, coverage in counts["best_coverage_by_size"].items()
         )
     for plan in report.get("plans", []):
-        lines.extend(["", format_table(plan, dtype_bytes=2)])
+        lines.extend(["", format_table(plan, dtype_bytes=2, k=4)])
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ def add_parser(subparsers) -> None:
         help="per-rank table of a token map under TP (vocab ranges, hot ids, width, bytes)",
         description="Show how a token map is split over the TP ranks of the target LM head, for "
         "each layout: vocab range per rank, hot ids it owns, columns it computes, the padded "
-        "width, max/mean imbalance and the bytes gathered per logits row.",
+        "width, max/mean imbalance and the bytes gathered per logits row by each exchange.",
     )
     p.add_argument("--token-map", required=True, help="token-map file (.pt tensor or list)")
     size = p.add_mutually_exclusive_group(required=True)
@@ -34,6 +34,7 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--dtype-bytes", type=int, default=2, help="bytes per logit on the wire (2 for bf16/fp16, 4 for fp32)"
     )
+    p.add_argument("--topk", type=int, default=4, help="k of the top-k exchange (EAGLE topk)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--plot", metavar="PNG", help="also save a bar chart of the hot ids each rank computes, per layout"
@@ -65,11 +66,12 @@ def make_plans(args: argparse.Namespace) -> list[HotShardPlan]:
     ]
 
 
-def format_table(plan: HotShardPlan, dtype_bytes: int) -> str:
+def format_table(plan: HotShardPlan, dtype_bytes: int, k: int) -> str:
     lines = [
         f"layout {plan.layout}: {plan.num_hot} hot ids over {plan.tp_size} rank(s), width "
-        f"{plan.width}, max/mean {plan.imbalance:.2f}, gathered "
-        f"{plan.gathered_bytes_per_row(dtype_bytes):,} B per logits row",
+        f"{plan.width}, max/mean {plan.imbalance:.2f}, gathered per logits row: "
+        f"{plan.gathered_bytes_per_row(dtype_bytes):,} B (exchange full), "
+        f"{plan.topk_bytes_per_row(k):,} B (exchange topk, k={k})",
         f"{'rank':>4}  {'vocab range':>19}  {'owned hot':>9}  {'columns':>7}  {'padding':>7}",
     ]
     for r in range(plan.tp_size):
@@ -84,9 +86,9 @@ def format_table(plan: HotShardPlan, dtype_bytes: int) -> str:
 def run(args: argparse.Namespace) -> int:
     plans = make_plans(args)
     if args.json:
-        print(json.dumps([p.describe(args.dtype_bytes) for p in plans], indent=2))
+        print(json.dumps([p.describe(args.dtype_bytes, args.topk) for p in plans], indent=2))
     else:
-        print("\n\n".join(format_table(p, args.dtype_bytes) for p in plans))
+        print("\n\n".join(format_table(p, args.dtype_bytes, args.topk) for p in plans))
     if args.plot:
         from sglang_frspec.maps import plot_plans
 

@@ -118,11 +118,3 @@ class HotLogitsExchange:
         fill = torch.minimum(fill, top_values[:, -1])
         logits = fill[:, None].expand(num_rows, self.num_hot).contiguous()
         return logits.scatter_(1, top_indices, top_values)
-
-    def wire_bytes_per_row(self, exchange: str, itemsize: int, k: int = 0) -> int:
-        """Bytes one rank receives per logits row for the chosen exchange."""
-        if self.plan.tp_size == 1:
-            return 0
-        if exchange == "full":
-            return self.plan.gathered_bytes_per_row(itemsize)
-        return self.plan.tp_size * (2 * k + 1) * 4

@@ -113,10 +113,15 @@ class HotShardPlan:
         return max(self.counts) * self.tp_size / self.num_hot
 
     def gathered_bytes_per_row(self, itemsize: int) -> int:
-        """Bytes each rank receives per logits row from a full (padded) gather."""
-        return self.tp_size * self.width * itemsize
+        """Bytes gathered per logits row by the full (padded) exchange; 0 without a collective."""
+        return self.tp_size * self.width * itemsize if self.tp_size > 1 else 0
 
-    def describe(self, itemsize: int = 4) -> dict:
+    def topk_bytes_per_row(self, k: int) -> int:
+        """Bytes gathered per logits row by the top-k exchange (k values, k indices, one
+        log-sum-exp per rank, float32); 0 without a collective."""
+        return self.tp_size * (2 * k + 1) * 4 if self.tp_size > 1 else 0
+
+    def describe(self, itemsize: int = 4, k: int = 4) -> dict:
         """Plain-data summary (for `sglang-frspec plan --json` and logs)."""
         mean = self.num_hot / self.tp_size
         return {
@@ -127,6 +132,7 @@ class HotShardPlan:
             "imbalance_max_over_mean": round(self.imbalance, 4),
             "mean_columns_per_rank": round(mean, 2),
             "gathered_bytes_per_row": self.gathered_bytes_per_row(itemsize),
+            f"topk{k}_bytes_per_row": self.topk_bytes_per_row(k),
             "ranks": [
                 {
                     "rank": r,
