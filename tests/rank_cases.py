@@ -76,7 +76,7 @@ def agree(payload: dict) -> str:
         hot = canonical_hot_ids(torch.tensor(payload["maps"][rank]), payload["vocab"])
         status = ("ok", hot.digest, len(hot))
     except TokenMapError as e:
-        status = ("error", str(e))
+        status = ("error", type(e).__name__, str(e))
     try:
         agree_across_ranks(status, get_parallel().tp_group)
     except TokenMapError as e:

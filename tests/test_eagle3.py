@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_frspec.testing.cpu import eagle_args
 from sglang_frspec.testing.eagle3_fixture import eagle3_draft
 
 pytestmark = pytest.mark.server
@@ -26,20 +27,7 @@ def eagle3(perm) -> str:
 
 
 def eagle3_args(draft: str, token_map: str) -> list[str]:
-    return [
-        "--speculative-algorithm",
-        "EAGLE3",
-        "--speculative-draft-model-path",
-        draft,
-        "--speculative-num-steps",
-        "2",
-        "--speculative-eagle-topk",
-        "2",
-        "--speculative-num-draft-tokens",
-        "4",
-        "--speculative-token-map",
-        token_map,
-    ]
+    return eagle_args(draft, token_map, algorithm="EAGLE3")
 
 
 def check_eagle3_server(server, chain) -> str:

@@ -174,7 +174,7 @@ def _permuted_target(perm, tmp_path):
     x -> tau^-1(pi(x)), still inside the hot set."""
     from safetensors.torch import load_file, save_file
 
-    target = tmp_path / "perm-llama-b"
+    target = tmp_path / "target-b"
     shutil.copytree(perm.target, target)
     tensors = load_file(str(target / "model.safetensors"))
     hot = torch.load(perm.token_map("hot"))

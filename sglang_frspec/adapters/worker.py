@@ -71,20 +71,22 @@ def around_init_token_map(original: Callable, worker) -> None:
     try:
         worker.frspec_map_ids, worker.frspec_map_error = load_token_map_ids(path), None
     except TokenMapError as e:
-        worker.frspec_map_ids, worker.frspec_map_error = None, e
-    worker.hot_token_id = torch.empty(0, dtype=torch.int64)  # replaced in init_lm_head
+        worker.frspec_map_ids, worker.frspec_map_error = torch.empty(0, dtype=torch.int64), e
+    worker.hot_token_id = worker.frspec_map_ids  # file order, as upstream; init_lm_head canonicalises
 
 
 def agree_across_ranks(status: tuple, group) -> None:
     """Raise the same error on every rank if any rank failed or the ranks' maps differ.
 
-    ``status`` is ("ok", digest, num_hot) or ("error", message). Runs on the gloo CPU group.
+    ``status`` is ("ok", digest, num_hot) or ("error", error class name, message). Runs on the
+    gloo CPU group.
     """
     statuses = [status] if group.world_size == 1 else group.all_gather_object(status)
-    failed = [(r, s[1]) for r, s in enumerate(statuses) if s[0] == "error"]
+    failed = [(r, s) for r, s in enumerate(statuses) if s[0] == "error"]
     if failed:
-        rank, message = failed[0]
-        raise TokenMapError(f"[sglang-frspec, TP rank {rank} of {len(statuses)}] {message}")
+        rank, (_, kind, message) = failed[0]
+        error = UnsupportedSetupError if kind == UnsupportedSetupError.__name__ else TokenMapError
+        raise error(f"[sglang-frspec, TP rank {rank} of {len(statuses)}] {message}")
     digests = {s[1] for s in statuses}
     if len(digests) > 1:
         per_rank = ", ".join(f"rank {r}: {s[1][:16]} ({s[2]} ids)" for r, s in enumerate(statuses))
@@ -114,7 +116,7 @@ def around_init_lm_head(original: Callable, worker) -> None:
         check_draft_supported(draft_model, len(hot))
         status = ("ok", hot.digest, len(hot))
     except (TokenMapError, UnsupportedSetupError) as e:
-        status = ("error", str(e))
+        status = ("error", type(e).__name__, str(e))
     agree_across_ranks(status, get_parallel().tp_group)
 
     plan = plan_from_ranges(hot.ids, shard.shard_ranges, options.layout)

@@ -47,12 +47,18 @@ CPU_SERVER_ARGS = [
 
 
 def eagle_args(
-    draft: str, token_map: str | None = None, *, steps: int = 2, topk: int = 2, draft_tokens: int = 4
+    draft: str,
+    token_map: str | None = None,
+    *,
+    algorithm: str = "EAGLE",
+    steps: int = 2,
+    topk: int = 2,
+    draft_tokens: int = 4,
 ) -> list[str]:
-    """EAGLE arguments for the permutation fixture (and optionally a token map)."""
+    """Speculative-decoding arguments (EAGLE by default; optionally a token map)."""
     args = [
         "--speculative-algorithm",
-        "EAGLE",
+        algorithm,
         "--speculative-draft-model-path",
         draft,
         "--speculative-num-steps",

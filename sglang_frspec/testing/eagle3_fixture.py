@@ -21,13 +21,11 @@ next step.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from sglang_frspec.testing.fixtures import PermFixture, _llama_config, cache_root
+from sglang_frspec.testing.fixtures import PermFixture, _llama_config, cache_root, cached_build
 
 EAGLE3_FORMAT = 1  # bump when the builder changes, so cached copies are rebuilt
 # SGLang captures layer i + 1's input for id i: -1 is the embedding output, 0 is layer 0's output.
@@ -147,16 +145,5 @@ def _build_eagle3(path: Path, fixture: PermFixture, draft_vocab_size: int, seed:
 def eagle3_draft(fixture: PermFixture, draft_vocab_size: int = 1024, seed: int = 4321) -> str:
     """Build (once, cached) an EAGLE3 draft for ``fixture.target``; returns its directory."""
     root = cache_root() / f"eagle3-{EAGLE3_FORMAT}-{fixture.root.name}-d{draft_vocab_size}-s{seed}"
-    if not (root / "config.json").exists():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
-        try:
-            _build_eagle3(staging / "draft", fixture, draft_vocab_size, seed)
-            try:
-                (staging / "draft").rename(root)
-            except OSError:  # another process finished the same build first
-                if not (root / "config.json").exists():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return str(root)
+    build = lambda path: _build_eagle3(path, fixture, draft_vocab_size, seed)  # noqa: E731
+    return str(cached_build(root, build, marker="config.json"))

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import torch
 from sglang_frspec.core.plan import vocab_shard_ranges
 
 LLAMA3_VOCAB = 128256
-FIXTURE_FORMAT = 2  # bump when the builder changes, so cached copies are rebuilt
+FIXTURE_FORMAT = 3  # bump when the builder changes, so cached copies are rebuilt
 
 
 def cache_root() -> Path:
@@ -34,28 +35,36 @@ def cache_root() -> Path:
 
 
 @dataclass(frozen=True)
-class PermFixture:
-    """Paths and facts of a built permutation fixture."""
+class ModelFixture:
+    """A target, its EAGLE draft and token maps in one folder."""
 
     root: Path
-    vocab_size: int
-    hidden_size: int
-    chain: tuple[int, ...]  # pi chain crossing both TP=2 halves (greedy output of any prefix)
-    low_chain: tuple[int, ...]  # pi chain inside rank 0's TP=2 half
 
     @property
     def target(self) -> str:
-        return str(self.root / "perm-llama")
+        return str(self.root / "target")
 
     @property
     def draft(self) -> str:
-        return str(self.root / "perm-eagle")
+        return str(self.root / "draft")
 
     def token_map(self, name: str = "hot") -> str:
-        """Map files: hot (ids on both TP=2 halves), hot_low (all in rank 0's half),
-        hot_list (FR-Spec's format: a Python list in frequency order, EOS repeated),
-        cold (disjoint from the hot set)."""
-        return str(self.root / f"perm_{name}.pt")
+        return str(self.root / f"map_{name}.pt")
+
+
+@dataclass(frozen=True)
+class PermFixture(ModelFixture):
+    """The permutation fixture: greedy decoding follows x -> pi(x).
+
+    Maps (``token_map(name)``): hot (ids on both TP=2 halves), hot_low (all in rank 0's half),
+    hot_half (a random half of the hot set: partial acceptance), hot_list (FR-Spec's format: a
+    Python list in frequency order, EOS repeated), cold (disjoint from the hot set).
+    """
+
+    vocab_size: int = 0
+    hidden_size: int = 0
+    chain: tuple[int, ...] = ()  # pi chain crossing both TP=2 halves (greedy output of any prefix)
+    low_chain: tuple[int, ...] = ()  # pi chain inside rank 0's TP=2 half
 
 
 def _unit_rows(n: int, dim: int, gen: torch.Generator) -> torch.Tensor:
@@ -86,8 +95,11 @@ def _llama_config(arch: str, vocab: int, hidden: int, layers: int, inter: int, h
     }
 
 
-def _decoder_layer(prefix: str, cfg: dict, gen: torch.Generator, input_ln: bool) -> dict:
-    """One Llama layer whose attention and MLP outputs are zero (the residual passes through)."""
+def _decoder_layer(
+    prefix: str, cfg: dict, gen: torch.Generator, input_ln: bool, output_scale: float = 0.0
+) -> dict:
+    """One Llama layer; with ``output_scale`` 0 its attention and MLP outputs are zero (the
+    residual passes through), else its output projections are random of that scale."""
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     head_dim, kv = cfg["head_dim"], cfg["num_key_value_heads"]
     q = cfg["num_attention_heads"] * head_dim
@@ -95,10 +107,10 @@ def _decoder_layer(prefix: str, cfg: dict, gen: torch.Generator, input_ln: bool)
         f"{prefix}self_attn.q_proj.weight": torch.randn(q, hidden, generator=gen) * 0.05,
         f"{prefix}self_attn.k_proj.weight": torch.randn(kv * head_dim, hidden, generator=gen) * 0.05,
         f"{prefix}self_attn.v_proj.weight": torch.randn(kv * head_dim, hidden, generator=gen) * 0.05,
-        f"{prefix}self_attn.o_proj.weight": torch.zeros(hidden, q),
+        f"{prefix}self_attn.o_proj.weight": torch.randn(hidden, q, generator=gen) * output_scale,
         f"{prefix}mlp.gate_proj.weight": torch.randn(inter, hidden, generator=gen) * 0.05,
         f"{prefix}mlp.up_proj.weight": torch.randn(inter, hidden, generator=gen) * 0.05,
-        f"{prefix}mlp.down_proj.weight": torch.zeros(hidden, inter),
+        f"{prefix}mlp.down_proj.weight": torch.randn(hidden, inter, generator=gen) * output_scale,
         f"{prefix}post_attention_layernorm.weight": torch.ones(hidden),
     }
     if input_ln:
@@ -106,7 +118,8 @@ def _decoder_layer(prefix: str, cfg: dict, gen: torch.Generator, input_ln: bool)
     return tensors
 
 
-def _save_model(path: Path, tensors: dict, config: dict) -> None:
+def save_model(path: Path, tensors: dict, config: dict) -> None:
+    """A model folder SGLang loads: float32 safetensors, config.json, generation_config.json."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True)
@@ -140,6 +153,7 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def _build_perm(root: Path, vocab: int, hidden: int, num_hot: int, seed: int) -> None:
+    root.mkdir(parents=True)
     gen = torch.Generator().manual_seed(seed)
     (lo_start, lo_end), (hi_start, hi_end) = vocab_shard_ranges(vocab, 2)
     half = num_hot // 2
@@ -172,8 +186,8 @@ def _build_perm(root: Path, vocab: int, hidden: int, num_hot: int, seed: int) ->
     }
     for i in range(2):
         target |= _decoder_layer(f"model.layers.{i}.", target_cfg, gen, input_ln=True)
-    _save_model(root / "perm-llama", target, target_cfg)
-    save_word_tokenizer(root / "perm-llama", vocab)
+    save_model(root / "target", target, target_cfg)
+    save_word_tokenizer(root / "target", vocab)
 
     draft_cfg = _llama_config("LlamaForCausalLMEagle", vocab, hidden, 1, inter, heads)
     fc = torch.zeros(hidden, 2 * hidden)
@@ -185,14 +199,15 @@ def _build_perm(root: Path, vocab: int, hidden: int, num_hot: int, seed: int) ->
         "lm_head.weight": head,
     }
     draft |= _decoder_layer("layers.0.", draft_cfg, gen, input_ln=False)
-    _save_model(root / "perm-eagle", draft, draft_cfg)
+    save_model(root / "draft", draft, draft_cfg)
 
-    torch.save(hot, root / "perm_hot.pt")
-    torch.save(hot[hot < lo_end], root / "perm_hot_low.pt")
-    torch.save(cold[:num_hot].clone(), root / "perm_cold.pt")
+    torch.save(hot, root / "map_hot.pt")
+    torch.save(hot[hot < lo_end], root / "map_hot_low.pt")
+    torch.save(hot[torch.randperm(hot.numel(), generator=gen)[: hot.numel() // 2]], root / "map_hot_half.pt")
+    torch.save(cold[:num_hot].clone(), root / "map_cold.pt")
     # FR-Spec publishes Python lists in frequency order with EOS forced in (here: repeated).
     freq_order = hot[torch.randperm(hot.numel(), generator=gen)].tolist()
-    torch.save([2, *freq_order, 2], root / "perm_hot_list.pt")
+    torch.save([2, *freq_order, 2], root / "map_hot_list.pt")
 
     def follow(start: int, length: int) -> list[int]:
         ids = [start]
@@ -202,7 +217,7 @@ def _build_perm(root: Path, vocab: int, hidden: int, num_hot: int, seed: int) ->
 
     chain = follow(int(cross_cycle[cross_cycle >= hi_start][0]), 1024)  # wraps around the cycle
     low_chain = follow(int(low_cycle[0]), 256)
-    (root / "perm_chain.json").write_text(
+    (root / "chains.json").write_text(
         json.dumps({"chain": chain, "low_chain": low_chain, "num_hot": len(hot)})
     )
 
@@ -214,24 +229,36 @@ def _build_perm(root: Path, vocab: int, hidden: int, num_hot: int, seed: int) ->
     assert torch.equal(hot[(embed[x] @ head[hot].T).argmax(-1)], pi[x]), "draft step is not pi"
 
 
+def cached_build(root: Path, build: Callable[[Path], None], marker: str) -> Path:
+    """Build ``root`` once: ``build(staging)`` fills a fresh folder, renamed into place when done.
+
+    ``marker`` is a file ``build`` writes last; its presence means a complete earlier build.
+    """
+    if not (root / marker).exists():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
+        try:
+            build(staging / "build")
+            try:
+                (staging / "build").rename(root)
+            except OSError:  # another process finished the same build first
+                if not (root / marker).exists():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return root
+
+
 def perm_fixture(
     vocab_size: int = 32000, hidden_size: int = 128, num_hot: int = 512, seed: int = 1234
 ) -> PermFixture:
     """Build (once, cached) and return the permutation fixture for these sizes."""
-    root = cache_root() / f"perm{FIXTURE_FORMAT}-v{vocab_size}-h{hidden_size}-n{num_hot}-s{seed}"
-    if not (root / "perm_chain.json").exists():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
-        try:
-            _build_perm(staging, vocab_size, hidden_size, num_hot, seed)
-            try:
-                staging.rename(root)
-            except OSError:  # another process finished the same build first
-                if not (root / "perm_chain.json").exists():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    chains = json.loads((root / "perm_chain.json").read_text())
+    root = cached_build(
+        cache_root() / f"perm{FIXTURE_FORMAT}-v{vocab_size}-h{hidden_size}-n{num_hot}-s{seed}",
+        lambda path: _build_perm(path, vocab_size, hidden_size, num_hot, seed),
+        marker="chains.json",
+    )
+    chains = json.loads((root / "chains.json").read_text())
     return PermFixture(
         root=root,
         vocab_size=vocab_size,
@@ -239,3 +266,43 @@ def perm_fixture(
         chain=tuple(chains["chain"]),
         low_chain=tuple(chains["low_chain"]),
     )
+
+
+def _build_random(root: Path, vocab: int, hidden: int, num_hot: int, seed: int) -> None:
+    root.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    inter, heads = 2 * hidden, max(1, hidden // 32)
+    target_cfg = _llama_config("LlamaForCausalLM", vocab, hidden, 2, inter, heads)
+    target = {
+        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen) * 0.05,
+        "model.norm.weight": torch.ones(hidden),
+        "lm_head.weight": torch.randn(vocab, hidden, generator=gen) * 0.05,
+    }
+    for i in range(2):
+        target |= _decoder_layer(f"model.layers.{i}.", target_cfg, gen, input_ln=True, output_scale=0.05)
+    save_model(root / "target", target, target_cfg)
+    save_word_tokenizer(root / "target", vocab)
+    draft_cfg = _llama_config("LlamaForCausalLMEagle", vocab, hidden, 1, inter, heads)
+    draft = {
+        "embed_tokens.weight": torch.randn(vocab, hidden, generator=gen) * 0.05,
+        "fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) * 0.05,
+        "fc.bias": torch.zeros(hidden),
+        "lm_head.weight": torch.randn(vocab, hidden, generator=gen) * 0.05,
+    }
+    draft |= _decoder_layer("layers.0.", draft_cfg, gen, input_ln=False, output_scale=0.05)
+    save_model(root / "draft", draft, draft_cfg)
+    # Hot ids over the whole vocab, listed in a random ("frequency") order.
+    torch.save(torch.randperm(vocab, generator=gen)[:num_hot].clone(), root / "map_hot.pt")
+
+
+def random_fixture(
+    vocab_size: int = 32000, hidden_size: int = 128, num_hot: int = 2048, seed: int = 0
+) -> ModelFixture:
+    """A tiny Llama target and EAGLE draft with random weights, a tokenizer and a random map
+    (``token_map("hot")``); outputs are whatever greedy decoding of random weights gives."""
+    root = cached_build(
+        cache_root() / f"random{FIXTURE_FORMAT}-v{vocab_size}-h{hidden_size}-n{num_hot}-s{seed}",
+        lambda path: _build_random(path, vocab_size, hidden_size, num_hot, seed),
+        marker="map_hot.pt",
+    )
+    return ModelFixture(root)

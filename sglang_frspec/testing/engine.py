@@ -1,0 +1,68 @@
+"""Run an offline ``sglang.Engine`` in a child process and return its outputs.
+
+A crashing scheduler makes SGLang SIGKILL the process that owns the Engine, so the Engine always
+lives in a child: ``run_engine(engine_kwargs, steps, env)`` starts
+``python -m sglang_frspec.testing.engine``, which builds the Engine, runs each step in order and
+prints one JSON line of results. A step is ``{"generate": {input_ids, sampling_params}}`` or
+``{"update_lm_head": path}`` (load a tensor saved with torch.save and pass it to
+``Engine.update_weights_from_tensor`` as ``lm_head.weight``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from sglang_frspec.testing.server import ServerError
+
+_RESULT = "FRSPEC_ENGINE_RESULT "
+
+
+def run_engine(engine_kwargs: dict, steps: list[dict], env: dict, timeout: float = 600.0) -> list:
+    """Results of ``steps`` (generate outputs, update replies) from a fresh Engine."""
+    request = json.dumps({"engine": engine_kwargs, "steps": steps})
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", __name__],
+            input=request,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise ServerError(f"engine child timed out after {timeout:.0f}s") from e
+    for line in out.stdout.splitlines():
+        if line.startswith(_RESULT):
+            return json.loads(line[len(_RESULT) :])
+    raise ServerError(
+        f"engine child exited with status {out.returncode} and no result; output:\n"
+        f"{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+    )
+
+
+def _child() -> None:
+    import sglang
+    import torch
+
+    request = json.loads(sys.stdin.read())
+    engine = sglang.Engine(**request["engine"])
+    results = []
+    try:
+        for step in request["steps"]:
+            if "generate" in step:
+                results.append(engine.generate(**step["generate"]))
+            else:
+                weight = torch.load(step["update_lm_head"])
+                engine.begin_weight_update()
+                reply = engine.update_weights_from_tensor([("lm_head.weight", weight)])
+                engine.end_weight_update()
+                results.append(list(reply) if isinstance(reply, tuple) else reply)
+    finally:
+        engine.shutdown()
+    print(_RESULT + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    _child()
