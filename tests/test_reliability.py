@@ -125,17 +125,21 @@ def test_quantized_or_packed_heads_are_rejected():
     script = """
 from sglang.srt.layers.quantization.gguf import GGUFConfig
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+from sglang.srt.runtime_context import get_parallel
 from sglang_frspec.adapters.head import check_head_supported
-check_head_supported(ParallelLMHead(1000, 64))
-try:
-    check_head_supported(ParallelLMHead(1000, 64, quant_config=GGUFConfig(unquantized_modules=[])))
-except Exception as e:
-    print(type(e).__name__, e)
+with get_parallel().override(tp_rank=0, tp_size=1):
+    check_head_supported(ParallelLMHead(1000, 64))
+    try:
+        check_head_supported(ParallelLMHead(1000, 64, quant_config=GGUFConfig()))
+    except Exception as e:
+        print(type(e).__name__, e)
 """
     out = subprocess.run([sys.executable, "-c", script], env=cpu_env(1), capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.startswith("UnsupportedSetupError: the target LM head is quantized (GGUF")
+    assert out.stdout.startswith(
+        "UnsupportedSetupError the target LM head is quantized (GGUFEmbeddingMethod)"
+    )
 
 
 def test_32_concurrent_mixed_requests_match_plain_decoding(perm, start_server):

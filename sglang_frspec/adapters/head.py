@@ -61,7 +61,6 @@ def find_head_module(target_model: torch.nn.Module, head: torch.Tensor) -> Vocab
 
 def check_head_supported(module: VocabParallelEmbedding) -> None:
     """Reject heads whose rows cannot be sliced (quantized, packed, GGUF)."""
-    weight = module.weight
     if not isinstance(module.quant_method, UnquantizedEmbeddingMethod):
         raise UnsupportedSetupError(
             f"the target LM head is quantized ({type(module.quant_method).__name__}); FR-Spec "
@@ -69,7 +68,12 @@ def check_head_supported(module: VocabParallelEmbedding) -> None:
             "unquantized lm_head (choose a --quantization / checkpoint that keeps lm_head in "
             "bf16/fp16), or drop --speculative-token-map."
         )
-    if getattr(weight, "is_gguf_weight_type", False) or getattr(module, "use_intel_amx_backend", False):
+    weight = getattr(module, "weight", None)  # quantized heads keep e.g. `qweight` instead
+    if (
+        weight is None
+        or getattr(weight, "is_gguf_weight_type", False)
+        or getattr(module, "use_intel_amx_backend", False)
+    ):
         raise UnsupportedSetupError(
             "the target LM head weight is packed (GGUF or CPU AMX/VNNI layout), so its rows "
             "cannot be sliced. Use a safetensors checkpoint (not --load-format gguf) or drop "

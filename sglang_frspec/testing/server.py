@@ -93,8 +93,17 @@ class SGLangServer:
 
     def wait_ready(self) -> SGLangServer:
         deadline = time.monotonic() + self.ready_timeout
+        port_retries = 3
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # The port was free when picked, but SGLang's own processes also bind random
+                # ports and may take it first: pick another one and start again.
+                if port_retries and "address already in use" in log_tail(self.log_path):
+                    port_retries -= 1
+                    self.stop()
+                    self.port = free_port()
+                    self.start()
+                    continue
                 raise ServerError(
                     f"server exited with status {self.proc.returncode} before it "
                     f"was ready; log {self.log_path}:\n{log_tail(self.log_path)}"
