@@ -41,3 +41,18 @@ def test_bench_server_smoke(tmp_path):
     results = json.loads((tmp_path / "s.json").read_text())["results"]
     assert [r["config"] for r in results] == ["stock EAGLE, no map", "map + plugin balanced/topk"]
     assert all(r["outputs_equal_stock"] and r["accept_length"] > 2.0 for r in results)
+
+
+def test_bench_head_gemm_smoke(tmp_path):
+    out = run("bench_head_gemm.py", "--vocab", "5003", "--hot", "700", "--hidden", "64", "--rows", "1", "4",
+              "--tp", "1", "2", "--repeats", "2", "--iters", "2", "--working-set-mb", "4",
+              "--json", str(tmp_path / "g.json"))  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = json.loads((tmp_path / "g.json").read_text())["results"]
+    rows_of = {(r["tp"], r["variant"]): r["head_rows"] for r in results if r["rows"] == 1}
+    # The slowest rank's head per variant: stock shard of the padded vocab, the plan's widths.
+    assert rows_of[(1, "(a) stock")] == 5003 and rows_of[(1, "(c) tp1")] == 704
+    assert rows_of[(2, "(a) stock")] == 2528 and rows_of[(2, "(b) balanced")] == 350
+    assert {v for tp, v in rows_of if tp == 2} == {"(a) stock", "(b) local", "(b) local+topk", "(b) balanced",
+                                                  "(b) balanced+topk"}  # fmt: skip
+    assert all(r["median_us"] > 0 and r["bound_us"] > 0 for r in results)

@@ -13,7 +13,7 @@ from sglang_frspec.core.options import EXCHANGE_ENV, LAYOUT_ENV
 def test_defaults_and_env(monkeypatch):
     monkeypatch.delenv(LAYOUT_ENV, raising=False)
     monkeypatch.delenv(EXCHANGE_ENV, raising=False)
-    assert FrSpecOptions.from_env() == FrSpecOptions(layout="balanced", exchange="topk")
+    assert FrSpecOptions.from_env() == FrSpecOptions(layout="balanced", exchange="full")
     monkeypatch.setenv(LAYOUT_ENV, " Local ")
     assert FrSpecOptions.from_env().layout == "local"
 

@@ -87,22 +87,8 @@ class HotLogitsExchange:
         from positive terms only (never ``1 - top mass``), so it stays accurate when the
         distribution is peaked.
         """
-        if not 0 < k < self.num_hot:
-            raise ValueError(f"top-k exchange needs 0 < k < H, got k={k}, H={self.num_hot}")
+        packet = self.topk_packet(local, k)
         num_rows = local.shape[0]
-        mine = local[:, : self.count].float()
-        values = mine.new_full((num_rows, k), -math.inf)
-        indices = mine.new_zeros((num_rows, k))
-        rest_lse = mine.new_full((num_rows, 1), -math.inf)
-        if self.count:
-            kept = min(k, self.count)
-            top_values, top_slots = mine.topk(kept, dim=1)
-            values[:, :kept] = top_values
-            # Hot indices < 2**24 are exact in float32, so one float packet carries all three.
-            indices[:, :kept] = (top_slots + self.offset).float()
-            rest = mine.scatter(1, top_slots, -math.inf)
-            rest_lse = torch.logsumexp(rest, dim=1, keepdim=True)
-        packet = torch.cat([values, indices, rest_lse], dim=1)  # [T, 2k+1]
         gathered = _gather(packet, self.plan.tp_size, all_gather)
         rank_major = gathered.permute(1, 0, 2)  # [T, tp, 2k+1]
         num_candidates = self.plan.tp_size * k
@@ -118,3 +104,22 @@ class HotLogitsExchange:
         fill = torch.minimum(fill, top_values[:, -1])
         logits = fill[:, None].expand(num_rows, self.num_hot).contiguous()
         return logits.scatter_(1, top_indices, top_values)
+
+    def topk_packet(self, local: torch.Tensor, k: int) -> torch.Tensor:
+        """This rank's share of the top-k exchange: [T, 2k+1] (top-k values, hot indices, rest LSE)."""
+        if not 0 < k < self.num_hot:
+            raise ValueError(f"top-k exchange needs 0 < k < H, got k={k}, H={self.num_hot}")
+        num_rows = local.shape[0]
+        mine = local[:, : self.count].float()
+        values = mine.new_full((num_rows, k), -math.inf)
+        indices = mine.new_zeros((num_rows, k))
+        rest_lse = mine.new_full((num_rows, 1), -math.inf)
+        if self.count:
+            kept = min(k, self.count)
+            top_values, top_slots = mine.topk(kept, dim=1)
+            values[:, :kept] = top_values
+            # Hot indices < 2**24 are exact in float32, so one float packet carries all three.
+            indices[:, :kept] = (top_slots + self.offset).float()
+            rest = mine.scatter(1, top_slots, -math.inf)
+            rest_lse = torch.logsumexp(rest, dim=1, keepdim=True)
+        return torch.cat([values, indices, rest_lse], dim=1)

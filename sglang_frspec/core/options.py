@@ -16,7 +16,7 @@ from sglang_frspec.core.plan import LAYOUTS
 LAYOUT_ENV = "SGLANG_FRSPEC_LAYOUT"
 EXCHANGE_ENV = "SGLANG_FRSPEC_EXCHANGE"
 DEFAULT_LAYOUT = "balanced"
-DEFAULT_EXCHANGE = "topk"
+DEFAULT_EXCHANGE = "full"
 
 
 @dataclass(frozen=True)
