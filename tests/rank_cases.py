@@ -116,3 +116,53 @@ def dp_lm_head_logits(payload: dict) -> dict:
         out[layout] = processor._get_logits(hidden_states, draft, None, use_logits_buffer=False)
     out["reference"] = hidden_states @ full[hot].T
     return out
+
+
+def dp_attention_logits(payload: dict) -> dict:
+    """DP attention without --enable-dp-lm-head: the head is sharded over the whole TP group and
+    each DP rank brings its own rows (some none); the processor's inherited DP gather/scatter
+    must hand every rank the hot logits of its own rows."""
+    from sglang.srt.layers.dp_attention import DpPaddingMode, _DpGatheredBufferWrapper
+    from sglang.srt.layers.logits_processor import LogitsMetadata
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.runtime_context import get_parallel
+    from transformers import LlamaConfig
+
+    from sglang_frspec.adapters.head import describe_head_shard
+    from sglang_frspec.adapters.logits import FrSpecLogitsProcessor
+    from sglang_frspec.core import build_local_head, canonical_hot_ids, plan_from_ranges
+
+    vocab, hidden, parallel = payload["vocab"], payload["hidden"], get_parallel()
+    rows_per_dp_rank = payload["rows_per_dp_rank"]
+    full = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0))
+    target = ParallelLMHead(vocab, hidden, params_dtype=torch.float32)
+    target.weight_loader(target.weight, full)
+    shard = describe_head_shard(target)
+    hot = canonical_hot_ids(torch.tensor(payload["map"]), vocab).ids
+    _DpGatheredBufferWrapper.set_metadata(hidden, torch.float32, torch.device("cpu"))
+    local_rows = rows_per_dp_rank[parallel.attn_dp_rank]
+    hidden_states = torch.randn(
+        local_rows, hidden, generator=torch.Generator().manual_seed(parallel.attn_dp_rank)
+    )
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_attention_heads=hidden // 16)
+    out = {"attn_dp_rank": parallel.attn_dp_rank, "group": shard.group_name, "ranges": shard.shard_ranges}
+    for layout in ("local", "balanced"):
+        for exchange in ("full", "topk"):
+            plan = plan_from_ranges(hot, shard.shard_ranges, layout)
+            processor = FrSpecLogitsProcessor(config, plan, shard, exchange, 2, "cpu")
+            assert processor.do_tensor_parallel_all_gather_dp_attn
+            local_head = build_local_head(target.weight, plan, shard.rank, shard.all_gather)
+            draft = _draft_head(vocab, hidden, torch.float32, local_head)
+            metadata = LogitsMetadata(
+                forward_mode=ForwardMode.DECODE,
+                global_num_tokens_for_logprob_cpu=list(rows_per_dp_rank),
+                global_num_tokens_for_logprob_gpu=torch.tensor(rows_per_dp_rank),
+                global_num_tokens_gpu=torch.tensor(rows_per_dp_rank),
+                dp_padding_mode=DpPaddingMode.SUM_LEN,
+            )
+            out[f"{layout}/{exchange}"] = processor._get_logits(
+                hidden_states, draft, metadata, use_logits_buffer=False
+            )
+    out["reference"] = hidden_states @ full[hot].T
+    return out

@@ -156,3 +156,29 @@ def test_dp_lm_head_shards_over_the_attention_tp_group():
     for group in (results[:2], results[2:]):  # identical within each attention-TP group
         assert torch.equal(group[0]["local"], group[1]["local"])
         assert torch.equal(group[0]["balanced"], group[1]["balanced"])
+
+
+@pytest.mark.parametrize("rows_per_dp_rank", [[3, 2], [4, 0]], ids=["both-busy", "one-idle"])
+def test_dp_attention_without_dp_lm_head_gathers_rows_over_the_tp_group(rows_per_dp_rank):
+    """tp=4 with 2 DP-attention ranks, head sharded over all 4 ranks: hidden rows are gathered
+    across DP ranks for the head, and each rank gets back the hot logits of its own rows."""
+    hot = _maps(4)["skewed"]
+    results = run_tp_group(
+        "tests.rank_cases:dp_attention_logits",
+        4,
+        {"vocab": VOCAB, "hidden": HIDDEN, "map": hot, "rows_per_dp_rank": rows_per_dp_rank},
+        server_args={"enable_dp_attention": True, "dp_size": 2},
+    )
+    assert [r["attn_dp_rank"] for r in results] == [0, 0, 1, 1]
+    for r in results:
+        assert r["group"] == "tp" and r["ranges"] == vocab_shard_ranges(VOCAB, 4)
+        assert r["reference"].shape[0] == rows_per_dp_rank[r["attn_dp_rank"]]
+        torch.testing.assert_close(r["local/full"], r["reference"], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(r["balanced/full"], r["reference"], rtol=1e-5, atol=1e-4)
+        for layout in ("local", "balanced"):  # the top-k exchange keeps the top-2 ids and probabilities
+            topk = r[f"{layout}/topk"]
+            if topk.shape[0]:
+                assert torch.equal(topk.topk(2).indices, r["reference"].topk(2).indices)
+                torch.testing.assert_close(
+                    topk.softmax(-1).topk(2).values, r["reference"].softmax(-1).topk(2).values
+                )
