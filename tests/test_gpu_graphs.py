@@ -1,0 +1,103 @@
+"""On a CUDA device: the core exchanges capture into CUDA graphs and stay exact in bf16.
+
+SGLang captures the draft forward into CUDA graphs, so the exchange must not sync with the host
+or change shapes with data. One process holds every rank's view: the rank under test runs its
+local GEMM and exchange inside the graph; the other ranks' gathered parts come from buffers
+computed eagerly beforehand (the all-gather's output, as the real collective would fill it).
+Skipped without a GPU (CI has none); run on a GPU machine with ``pytest tests/test_gpu_graphs.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_frspec.core import HotLogitsExchange, build_local_head, plan_hot_shards, vocab_shard_ranges
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+VOCAB, HIDDEN, NUM_HOT, ROWS, TOPK = 32000, 512, 4000, 8, 4
+
+
+class EmulatedGather:
+    """``all_gather(out, inp)`` for one rank: its own slot from ``inp``, the others from buffers."""
+
+    def __init__(self, rank: int, others_by_width: dict[int, list[torch.Tensor]]):
+        self.rank, self.others_by_width = rank, others_by_width
+
+    def __call__(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        parts = list(self.others_by_width[inp.shape[-1]])
+        parts[self.rank] = inp
+        out.copy_(torch.cat(parts))
+
+
+def _skewed_hot_ids(gen: torch.Generator) -> torch.Tensor:
+    low = torch.randperm(VOCAB // 4, generator=gen)[: NUM_HOT * 3 // 4]
+    high = VOCAB // 4 + torch.randperm(VOCAB * 3 // 4, generator=gen)[: NUM_HOT - low.numel()]
+    return torch.cat([low, high])
+
+
+def _ranks(tp: int, layout: str, device: torch.device):
+    """Every rank's hot head and exchange, the hidden rows, the gathered parts and the reference."""
+    gen = torch.Generator().manual_seed(tp)
+    full = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05).to(device, torch.bfloat16)
+    plan = plan_hot_shards(_skewed_hot_ids(gen), VOCAB, tp, layout=layout)
+    shards = [full[start:end] for start, end in vocab_shard_ranges(VOCAB, tp)]
+    # Balanced heads come from one row exchange at start-up: emulate it with every rank's rows.
+    owned_width = plan_hot_shards(plan.hot_ids, VOCAB, tp, layout="local").width
+    padded_owned = []
+    for r, shard in enumerate(shards):
+        rows = shard.new_zeros(owned_width, HIDDEN)
+        rows[: plan.owned_counts[r]] = shard[plan.owned_rows(r).to(device)]
+        padded_owned.append(rows)
+    heads = [
+        build_local_head(shards[r], plan, r, EmulatedGather(r, {HIDDEN: padded_owned})) for r in range(tp)
+    ]
+    exchanges = [HotLogitsExchange(plan, r, device) for r in range(tp)]
+    hidden = torch.randn(ROWS, HIDDEN, generator=gen).to(device, torch.bfloat16)
+    locals_ = [hidden @ head.T for head in heads]
+    packets = [ex.topk_packet(local, TOPK) for ex, local in zip(exchanges, locals_)]
+    gathered = {plan.width: locals_, 2 * TOPK + 1: packets}
+    reference = hidden.float() @ full[plan.hot_ids.to(device)].float().T
+    return heads, exchanges, hidden, gathered, reference
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["local", "balanced"])
+def test_exchanges_capture_and_replay_exactly_in_bf16(tp, layout):
+    heads, exchanges, hidden, gathered, reference = _ranks(tp, layout, torch.device("cuda"))
+    for rank in range(tp):
+        static_hidden = hidden.clone()
+        gather = EmulatedGather(rank, gathered)
+
+        def step(rank=rank, static_hidden=static_hidden, gather=gather):
+            local = static_hidden @ heads[rank].T
+            return exchanges[rank].full(local, gather).float(), exchanges[rank].topk(local, TOPK, gather)
+
+        eager_full, eager_topk = step()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_full, graph_topk = step()
+        static_hidden.zero_()  # replay must read the static input, not a captured constant
+        graph.replay()
+        torch.cuda.synchronize()
+        own = slice(exchanges[rank].offset, exchanges[rank].offset + exchanges[rank].count)
+        assert torch.count_nonzero(graph_full[:, own]) == 0
+        static_hidden.copy_(hidden)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert graph_full.shape == (ROWS, NUM_HOT) and graph_topk.dtype == torch.float32
+        torch.testing.assert_close(graph_full, eager_full, rtol=0, atol=0)
+        torch.testing.assert_close(graph_topk, eager_topk, rtol=0, atol=0)
+        # bf16 logits against the fp32 reference: only the GEMM output rounding differs.
+        torch.testing.assert_close(graph_full, reference, rtol=2e-2, atol=2e-2)
+        # Top-k from the packet: the ids it picks hold the full logits' top-k values (bf16 ties
+        # may pick another id of the same value), and the probabilities match.
+        top_probs, top_ids = graph_topk.softmax(-1).topk(TOPK)
+        torch.testing.assert_close(graph_full.gather(1, top_ids), graph_full.topk(TOPK).values)
+        torch.testing.assert_close(top_probs, graph_full.softmax(-1).topk(TOPK).values, rtol=1e-5, atol=1e-6)
