@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import hot_map, summarize  # noqa: E402
+from common import add_head_args, head_dtype, hot_map, rotated, summarize  # noqa: E402
 
 STOCK, TP1 = "(a) stock full vocab", "(c) tp1 fr-spec head"
 
@@ -39,14 +39,7 @@ STOCK, TP1 = "(a) stock full vocab", "(c) tp1 fr-spec head"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=2, help="ranks (ignored under torchrun: WORLD_SIZE)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, help="head dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--hot", type=int, default=32768, help="hot ids H (synthetic maps)")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--map", default="skewed", help="skewed (BPE-like), uniform, or a map file")
-    p.add_argument("--topk", type=int, default=4, help="k of the top-k exchange (EAGLE topk)")
+    add_head_args(p)
     p.add_argument("--layouts", nargs="+", default=["local", "balanced"])
     p.add_argument("--exchanges", nargs="+", default=["full", "topk"])
     p.add_argument("--repeats", type=int, default=7)
@@ -192,7 +185,7 @@ def time_steps(variants: dict, rows: int, args, device, dtype) -> dict[str, list
         variants[name](hidden)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for repeat in range(args.repeats):
-        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+        for name in rotated(names, repeat):
             torch.distributed.barrier(group=cpu_group)
             sync()
             start = time.perf_counter()
@@ -265,7 +258,7 @@ def main(argv=None) -> int:
     if "RANK" not in os.environ:
         return relaunch(args)
     rank, world, device = init_group(args.device, args.vocab)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    dtype = head_dtype(args)
     variants, facts = build_variants(args, dtype, device, world)
     results = []
     for rows in args.rows:

@@ -16,9 +16,9 @@ collective is not timed here (see bench_draft_head.py for whole steps on a real 
 
 The bound is measured in the same run: an elementwise kernel streaming a large buffer gives the
 bandwidth (bytes read plus written), and each variant's bound is its weight bytes at that
-bandwidth. Weights are
-cycled through enough copies that the working set exceeds the last-level cache. On CUDA each
-repeat replays a CUDA graph of ``--iters`` steps (as SGLang's draft graphs do), timed with events.
+bandwidth. Weights are cycled through enough copies that the working set exceeds the last-level
+cache. On CUDA each repeat replays a CUDA graph of ``--iters`` steps (as SGLang's draft graphs
+do), timed with events.
 
     python benchmarks/bench_head_gemm.py --device cuda --json gemm.json   # one GPU
     python benchmarks/bench_head_gemm.py                                   # CPU, fp32
@@ -37,22 +37,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from common import hot_map, summarize  # noqa: E402
+from common import add_head_args, head_dtype, hot_map, rotated, summarize  # noqa: E402
 
 from sglang_frspec.core import HotLogitsExchange, plan_hot_shards, vocab_shard_ranges  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default=None, help="head dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--hot", type=int, default=32768, help="hot ids H (synthetic maps)")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    add_head_args(p)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8], help="emulated TP sizes")
-    p.add_argument("--map", default="skewed", help="skewed (BPE-like), uniform, or a map file")
-    p.add_argument("--topk", type=int, default=4)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--iters", type=int, default=20, help="steps per timed repeat")
     p.add_argument("--working-set-mb", type=int, default=512, help="cycle weight copies to exceed caches")
@@ -125,7 +118,7 @@ def build_steps(args, hot, tp, rows, dtype, device) -> dict[str, tuple[Callable,
     hidden = torch.randn(rows, args.hidden, device=device, dtype=dtype)
     steps = {}
     for name, (num_rows, exchange) in head_rows(args, hot, tp).items():
-        weight_bytes = num_rows * args.hidden * hidden.element_size()
+        weight_bytes = num_rows * args.hidden * dtype.itemsize
         copies = max(1, -(-args.working_set_mb * 2**20 // weight_bytes))
         weights = [
             torch.randn(num_rows, args.hidden, device=device, dtype=dtype) * 0.02 for _ in range(copies)
@@ -146,7 +139,7 @@ def build_steps(args, hot, tp, rows, dtype, device) -> dict[str, tuple[Callable,
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    dtype = head_dtype(args)
     torch.manual_seed(0)
     hot = hot_map(args.map, args.vocab, args.hot)
     bandwidth = stream_bandwidth(device, args.working_set_mb, args.repeats)
@@ -168,12 +161,12 @@ def main(argv=None) -> int:
             names = list(timers)
             samples: dict[str, list[float]] = {name: [] for name in names}
             for repeat in range(args.repeats):
-                for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                for name in rotated(names, repeat):
                     samples[name].append(timers[name].seconds_per_step())
             stock = summarize(samples["(a) stock"])["median"]
             for name in names:
                 stats, num_rows = summarize(samples[name]), steps[name][1]
-                weight_bytes = num_rows * args.hidden * torch.finfo(dtype).bits // 8
+                weight_bytes = num_rows * args.hidden * dtype.itemsize
                 bound = weight_bytes / bandwidth
                 result = {
                     "tp": tp,

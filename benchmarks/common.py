@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import torch
@@ -50,3 +51,25 @@ def summarize(samples: list[float]) -> dict:
     ordered = sorted(samples)
     quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
     return {"median": statistics.median(ordered), "p25": quartiles[0], "p75": quartiles[2], "n": len(ordered)}
+
+
+def add_head_args(p: argparse.ArgumentParser) -> None:
+    """The draft-head shape, dtype and map options both head benchmarks take."""
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default=None, help="head dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--hot", type=int, default=32768, help="hot ids H (synthetic maps)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--map", default="skewed", help="skewed (BPE-like), uniform, or a map file")
+    p.add_argument("--topk", type=int, default=4, help="k of the top-k exchange (EAGLE topk)")
+
+
+def head_dtype(args: argparse.Namespace) -> torch.dtype:
+    return getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+
+
+def rotated(names: list[str], repeat: int) -> list[str]:
+    """The order of one interleaved repeat: each repeat starts one variant later."""
+    shift = repeat % len(names)
+    return names[shift:] + names[:shift]
