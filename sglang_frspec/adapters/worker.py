@@ -130,6 +130,15 @@ def around_init_lm_head(original: Callable, worker) -> None:
     worker.frspec_head = FrSpecDraftHead(plan, shard, options, local_head)
     del worker.frspec_map_ids
     if get_parallel().tp_rank == 0:
+        if processor.exchange != options.exchange:
+            logger.warning(
+                "sglang-frspec: exchange=%s needs 0 < --speculative-eagle-topk < %d hot ids "
+                "(topk is %d); using exchange=%s.",
+                options.exchange,
+                plan.num_hot,
+                worker.topk,
+                processor.exchange,
+            )
         if hot.num_duplicates:
             logger.warning(
                 "sglang-frspec: token map %s repeats %d id(s); using %d distinct ids.",
