@@ -6,16 +6,14 @@
 
 from sglang_frspec.adapters.args import LM_HEAD_HOOK, TOKEN_MAP_HOOK
 
-WEIGHT_UPDATES = "sglang.srt.managers.scheduler_components.weight_updater"
-WEIGHT_UPDATE_HOOKS = [
-    f"{WEIGHT_UPDATES}.SchedulerWeightUpdaterManager.{method}"
-    for method in (
-        "update_weights_from_disk",
-        "update_weights_from_tensor",
-        "update_weights_from_distributed",
-        "update_weights_from_ipc",
-    )
+WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+# The calls that complete a weight update (see adapters/worker.py): one-call updates, and the end
+# of a begin/end session (tensor, distributed and P2P/RDMA updates).
+COMPLETE_UPDATE_HOOKS = [
+    f"{WEIGHT_UPDATER}.update_weights_from_disk",
+    f"{WEIGHT_UPDATER}.update_weights_from_ipc",
 ]
+SESSION_END_HOOK = f"{WEIGHT_UPDATER}.end_weight_update"
 
 
 def register() -> None:
@@ -27,6 +25,7 @@ def register() -> None:
 
     HookRegistry.register(TOKEN_MAP_HOOK, worker.around_init_token_map, HookType.AROUND)
     HookRegistry.register(LM_HEAD_HOOK, worker.around_init_lm_head, HookType.AROUND)
-    for target in WEIGHT_UPDATE_HOOKS:
-        HookRegistry.register(target, worker.refresh_after_weight_update, HookType.AFTER)
+    for target in COMPLETE_UPDATE_HOOKS:
+        HookRegistry.register(target, worker.refresh_after_complete_update, HookType.AFTER)
+    HookRegistry.register(SESSION_END_HOOK, worker.refresh_after_session_end, HookType.AFTER)
     register_resolution_hook("handle_speculative_decoding")(args.check_speculative_args)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from sglang.srt.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
     UnquantizedEmbeddingMethod,
     VocabParallelEmbedding,
 )
@@ -139,3 +140,22 @@ def check_draft_supported(draft_model: torch.nn.Module, num_hot: int) -> None:
                 f"distinct ids; SGLang sizes draft buffers from {field}. Remove {field} from "
                 "the draft's config.json or use a map of that size."
             )
+
+
+def check_draft_uses_hot_head(draft_model: torch.nn.Module, local_head: torch.Tensor) -> None:
+    """Reject drafts that keep their own LM head instead of taking the hot head.
+
+    Some NEXTN/MTP drafts ignore ``set_embed_and_head`` (or keep a head they loaded), so their
+    forward would pass a full-vocab head to the hot-logits processor: wrong columns, silently.
+    Every ``ParallelLMHead`` of the draft must hold the hot head after ``set_embed_and_head``.
+    """
+    heads = [(name, m) for name, m in draft_model.named_modules() if isinstance(m, ParallelLMHead)]
+    own = [name or "(model)" for name, m in heads if getattr(m, "weight", None) is not local_head]
+    if own or not heads:
+        where = f"its own LM head ({', '.join(own)})" if own else "no ParallelLMHead"
+        raise UnsupportedSetupError(
+            f"the draft model {type(draft_model).__name__} keeps {where} after "
+            "set_embed_and_head(), so it would not compute logits with the hot head and a token "
+            "map would read the wrong columns. Serve this draft without "
+            "--speculative-token-map (its set_embed_and_head must take the target's head)."
+        )

@@ -24,6 +24,7 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
 from sglang_frspec.adapters.head import (
     HeadShard,
     check_draft_supported,
+    check_draft_uses_hot_head,
     check_head_supported,
     describe_head_shard,
     find_head_module,
@@ -54,8 +55,10 @@ class FrSpecDraftHead:
 
     def refresh(self) -> None:
         """Re-read the hot rows after the target weights changed in place (all ranks call)."""
-        fresh = build_local_head(self.shard.module.weight, self.plan, self.shard.rank, self.shard.all_gather)
-        self.local_head.copy_(fresh)  # in place: captured graphs keep pointing at it
+        # In place: captured graphs keep pointing at the head, and no second head is allocated.
+        build_local_head(
+            self.shard.module.weight, self.plan, self.shard.rank, self.shard.all_gather, out=self.local_head
+        )
 
 
 def _uses_token_map(worker) -> bool:
@@ -122,6 +125,12 @@ def around_init_lm_head(original: Callable, worker) -> None:
     plan = plan_from_ranges(hot.ids, shard.shard_ranges, options.layout)
     local_head = build_local_head(head, plan, shard.rank, shard.all_gather)
     draft_model.set_embed_and_head(embed, local_head)
+    try:
+        check_draft_uses_hot_head(draft_model, local_head)
+        status = ("ok", hot.digest, len(hot))
+    except UnsupportedSetupError as e:
+        status = ("error", type(e).__name__, str(e))
+    agree_across_ranks(status, get_parallel().tp_group)
     processor = FrSpecLogitsProcessor(
         draft_model.config, plan, shard, options.exchange, worker.topk, head.device
     )
@@ -172,11 +181,28 @@ class ShardedFRSpecEagleDraftWorker(EagleDraftWorker):
         around_init_lm_head(lambda _worker: parent(), self)
 
 
-def refresh_after_weight_update(result, manager, *args, **kwargs):
-    """AFTER hook on the scheduler's weight updates: re-slice the hot head on success."""
-    if getattr(result, "success", False):
-        draft_worker = getattr(manager.draft_worker, "_draft_worker", None)
-        state = getattr(draft_worker, "frspec_head", None)
-        if state is not None:
-            state.refresh()
+def _refresh_on_every_rank(manager, wanted: bool) -> None:
+    """Refresh the hot head if any rank wants it: a refresh (a collective under the balanced
+    layout) then runs on every rank or on none, even if the ranks' update results differ."""
+    state = getattr(getattr(manager.draft_worker, "_draft_worker", None), "frspec_head", None)
+    if state is None:  # the same on every rank: no map, or not an EAGLE draft
+        return
+    group = get_parallel().tp_group
+    if group.world_size > 1:
+        wanted = any(group.all_gather_object(wanted))
+    if wanted:
+        state.refresh()
+
+
+def refresh_after_complete_update(result, manager, *args, **kwargs):
+    """AFTER hook on ``update_weights_from_disk`` / ``_ipc``, which complete an update in one
+    call and may have loaded the target even when reporting failure (a refused cache flush)."""
+    _refresh_on_every_rank(manager, wanted=True)
+    return result
+
+
+def refresh_after_session_end(result, manager, *args, **kwargs):
+    """AFTER hook on ``end_weight_update``: tensor and distributed updates (possibly chunked)
+    and P2P/RDMA writes all run inside a begin/end session, so they refresh once, here."""
+    _refresh_on_every_rank(manager, wanted=bool(getattr(result, "success", False)))
     return result

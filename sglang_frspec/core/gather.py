@@ -29,29 +29,74 @@ def _gather(local: torch.Tensor, tp_size: int, all_gather: AllGather) -> torch.T
     return out.view(tp_size, *local.shape)
 
 
+BUILD_CHUNK_BYTES = 32 << 20  # transient buffers of one start-up row exchange step
+
+
 def build_local_head(
-    shard_weight: torch.Tensor, plan: HotShardPlan, rank: int, all_gather: AllGather
+    shard_weight: torch.Tensor,
+    plan: HotShardPlan,
+    rank: int,
+    all_gather: AllGather,
+    *,
+    out: torch.Tensor | None = None,
+    chunk_bytes: int = BUILD_CHUNK_BYTES,
 ) -> torch.Tensor:
     """This rank's ``[plan.width, hidden]`` hot head, taken from its vocab shard of the target.
 
     ``shard_weight`` is the rank's local rows of the target LM head. Under the local layout the
-    rank keeps the hot rows it owns; under the balanced layout the owned rows are exchanged
-    once (one all-gather) and the rank keeps its equal slice of the hot order. Unused slots
-    are zero rows, whose logits are never read.
+    rank copies the hot rows it owns; under the balanced layout the owned rows are exchanged in
+    fixed-size steps and the rank keeps its equal slice of the hot order. ``out`` (a previous
+    head) is refilled in place. Unused slots are zero rows, whose logits are never read.
+
+    Apart from the head itself, no step holds more than ``chunk_bytes``: the transient of a
+    start-up (or weight refresh) that runs after the KV cache is allocated stays bounded
+    whatever the skew and the TP size.
     """
-    owned = shard_weight[plan.owned_rows(rank).to(shard_weight.device)]
-    head = shard_weight.new_zeros((plan.width, shard_weight.shape[1]))
-    first, count = plan.offsets[rank], plan.counts[rank]
+    hidden = shard_weight.shape[1]
+    if out is None:
+        out = shard_weight.new_zeros((plan.width, hidden))
+    owners = plan if plan.layout == "local" else plan_from_ranges(plan.hot_ids, plan.shard_ranges, "local")
+    rows_per_step = _rows_per_step(plan.tp_size, hidden, shard_weight.element_size(), chunk_bytes)
     if plan.layout == "local":
-        head[:count] = owned
-        return head
-    source = plan_from_ranges(plan.hot_ids, plan.shard_ranges, "local")
-    padded = shard_weight.new_zeros((source.width, shard_weight.shape[1]))
-    padded[: owned.shape[0]] = owned
-    gathered = _gather(padded, plan.tp_size, all_gather).flatten(0, 1)
-    positions = source.gather_columns[first : first + count].to(gathered.device)
-    head[:count] = gathered[positions]
-    return head
+        for first in range(0, plan.counts[rank], rows_per_step):
+            count = min(rows_per_step, plan.counts[rank] - first)
+            _copy_owned_rows(shard_weight, owners, rank, first, out[first : first + count])
+        return out
+    # Step i exchanges slots [i*C, (i+1)*C) of every rank's owned rows (in hot order). Every
+    # rank runs the same number of steps, idle ones included, so no rank waits alone.
+    mine = (plan.offsets[rank], plan.offsets[rank] + plan.counts[rank])
+    send = shard_weight.new_empty((rows_per_step, hidden))
+    for first in range(0, owners.width, rows_per_step):
+        count = max(0, min(rows_per_step, owners.counts[rank] - first))
+        _copy_owned_rows(shard_weight, owners, rank, first, send[:count])
+        received = _gather(send, plan.tp_size, all_gather)  # [tp, C, hidden]
+        for source in range(plan.tp_size):
+            # Hot positions that source sent in this step, intersected with this rank's slice.
+            sent_first = owners.offsets[source] + first
+            sent_end = owners.offsets[source] + min(owners.counts[source], first + rows_per_step)
+            lo, hi = max(sent_first, mine[0]), min(sent_end, mine[1])
+            if lo < hi:
+                out[lo - mine[0] : hi - mine[0]] = received[source, lo - sent_first : hi - sent_first]
+        del received
+    return out
+
+
+def _rows_per_step(tp_size: int, hidden: int, itemsize: int, chunk_bytes: int) -> int:
+    """Rows per exchange step so that its send and receive buffers and row ids fit in chunk_bytes."""
+    per_row = (tp_size + 1) * hidden * itemsize + 8  # + one int64 row id
+    return max(1, chunk_bytes // per_row)
+
+
+def _copy_owned_rows(
+    shard_weight: torch.Tensor, owners: HotShardPlan, rank: int, first: int, dest: torch.Tensor
+) -> None:
+    """Copy this rank's owned hot rows [first, first + len(dest)) (in hot order) into dest."""
+    if not dest.shape[0]:
+        return
+    start = owners.offsets[rank] + first
+    ids = owners.hot_ids[start : start + dest.shape[0]]
+    rows = (ids - owners.shard_ranges[rank][0]).to(shard_weight.device)
+    torch.index_select(shard_weight, 0, rows, out=dest)
 
 
 class HotLogitsExchange:
