@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, CPU_SITE, cpu_env, eagle_args
 from sglang_frspec.testing.fixtures import LLAMA3_VOCAB, perm_fixture
@@ -21,6 +23,33 @@ for _key, _value in cpu_env(1).items():
 sys.path.insert(0, str(CPU_SITE))
 # Rank processes of run_tp_group import tests.rank_cases.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+# A failing property test prints the blob that replays it; in CI the examples are derived from
+# each test's source (derandomize), so a CI failure reproduces on any machine.
+settings.register_profile("default", print_blob=True)
+settings.register_profile("ci", print_blob=True, derandomize=True)
+settings.load_profile("ci" if os.environ.get("CI", "").lower() in ("1", "true") else "default")
+
+OPTION_PREFIX = "SGLANG_FRSPEC_"
+
+
+def _option_vars() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(OPTION_PREFIX)}
+
+
+@pytest.fixture(autouse=True)
+def no_option_leaks():
+    """Fail a test that leaves any SGLANG_FRSPEC_* variable changed: every later server
+    and engine inherits os.environ, so a leak silently changes what they test."""
+    before = _option_vars()
+    yield
+    after = _option_vars()
+    if after != before:
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        os.environ.update(before)
+        for key in after.keys() - before.keys():
+            del os.environ[key]
+        pytest.fail(f"test left {', '.join(changed)} changed in os.environ (restored now)", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -42,11 +71,14 @@ _SERVERS_KEY = pytest.StashKey[list]()
 def start_server(request, tmp_path):
     """``start_server(fixture, tp, token_map=None, plugin=True, extra=(), env=None)``.
 
-    Starts a real ``sglang.launch_server`` and waits until it is ready; stopped after the test.
-    A failing test gets every server's log tail attached to its report.
+    Starts a real ``sglang.launch_server`` and waits until it is ready; every server is stopped
+    after the test (each on its own, also when another's stop fails or it already exited).
+    ``env`` adds variables to (never replaces) this process's environment. A failing test gets
+    every server's log tail attached to its report.
     """
     servers: list[SGLangServer] = []
     request.node.stash[_SERVERS_KEY] = servers
+    teardown = contextlib.ExitStack()
 
     def start(
         fixture,
@@ -64,15 +96,17 @@ def start_server(request, tmp_path):
             args += eagle_args(fixture.draft, token_map)
         args += list(extra)
         server = SGLangServer(
-            args, cpu_env(tp, with_plugin=plugin, base=env), tmp_path / f"server{len(servers)}.log"
+            args,
+            cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {})),
+            tmp_path / f"server{len(servers)}.log",
         )
         servers.append(server)
+        teardown.callback(server.stop)
         server.start()
         return server.wait_ready() if wait else server
 
-    yield start
-    for server in servers:
-        server.stop()
+    with teardown:
+        yield start
 
 
 @pytest.hookimpl(wrapper=True)
