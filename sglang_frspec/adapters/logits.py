@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from sglang.srt.layers.logits_processor import LogitsMetadata, LogitsProcessor
+from sglang.srt.layers.logits_processor import LogitsMetadata, LogitsProcessor, fused_softcap
 
 from sglang_frspec.adapters.head import HeadShard
-from sglang_frspec.core import HotLogitsExchange, HotShardPlan
+from sglang_frspec.core import HotLogitsExchange, HotShardPlan, UnsupportedSetupError
 
 
 class FrSpecLogitsProcessor(LogitsProcessor):
@@ -37,18 +37,35 @@ class FrSpecLogitsProcessor(LogitsProcessor):
         self.topk = topk
         self.hot_logits = HotLogitsExchange(plan, shard.rank, device)
 
-    def _local_logits(self, hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.use_fp32_lm_head:
-            local = hidden_states.float() @ weight.float().T
-        else:
-            local = hidden_states.to(weight.dtype) @ weight.T
+    def _check_head(self, lm_head) -> None:
+        """Python-level guard (graph-safe): the head the draft passes must be the hot head."""
+        weight = getattr(lm_head, "weight", None)
+        if weight is None or tuple(weight.shape[:1]) != (self.plan.width,):
+            raise UnsupportedSetupError(
+                f"sglang-frspec: the draft passed an LM head of shape "
+                f"{None if weight is None else tuple(weight.shape)} to the hot-logits processor, "
+                f"not this rank's hot head ({self.plan.width} rows); the draft does not use "
+                "the head set by set_embed_and_head(). Serve it without --speculative-token-map."
+            )
+
+    def _local_logits(self, hidden_states: torch.Tensor, lm_head) -> torch.Tensor:
+        """``[rows, width]`` logits of this rank's hot head, computed as stock computes a shard.
+
+        SGLang's own GEMM: on CUDA an fp32 head (``enable_fp32_lm_head``) or fp32 output
+        (``enable_lm_head_output_fp32``) is an fp32-output matmul that never copies the weight.
+        """
+        local = self._compute_lm_head(hidden_states, lm_head)
         if self.logit_scale is not None:
             local.mul_(self.logit_scale)
-        if self.final_logit_softcapping:
-            # Elementwise, so applying it before the exchange equals stock's after-gather cap.
-            cap = self.final_logit_softcapping
-            local = cap * torch.tanh(local / cap)
         return local
+
+    def _softcap_float32(self, logits: torch.Tensor) -> torch.Tensor:
+        """Stock's softcap, in float32 (``logits`` is float32)."""
+        cap = self.final_logit_softcapping
+        if logits.is_cuda:
+            fused_softcap(logits, cap)
+            return logits
+        return cap * torch.tanh(logits / cap)
 
     def _get_logits(
         self,
@@ -58,14 +75,27 @@ class FrSpecLogitsProcessor(LogitsProcessor):
         embedding_bias=None,
         use_logits_buffer: bool = True,
     ) -> torch.Tensor:
+        self._check_head(lm_head)
         hidden_states, local_hidden_states = self._gather_dp_attn_hidden_states(
             hidden_states, logits_metadata
         )
-        local = self._local_logits(hidden_states, lm_head.weight)
+        local = self._local_logits(hidden_states, lm_head)
+        cap = self.final_logit_softcapping
         if self.exchange == "topk":
-            logits = self.hot_logits.topk(local, self.topk, self.shard.all_gather)
+            # The packet's values and rest mass must be those of the capped float32 logits,
+            # so cap before it (elementwise: the same values stock caps after its gather).
+            logits = self.hot_logits.topk(
+                self._softcap_float32(local.float()) if cap else local, self.topk, self.shard.all_gather
+            )
+            cap = None
         else:
             logits = self.hot_logits.full(local, self.shard.all_gather)
         logits = self._scatter_dp_attn_logits(logits, local_hidden_states, logits_metadata)
-        logits = self._copy_logits_to_buffer(logits, logits_metadata, use_buffer=use_logits_buffer)
+        # As stock: cast to float32 (into the graph buffer when it fits), then cap in float32.
+        fuse_cast_softcap = bool(cap) and logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16)
+        logits = self._copy_logits_to_buffer(
+            logits, logits_metadata, use_buffer=use_logits_buffer, softcap=cap if fuse_cast_softcap else None
+        )
+        if cap and not fuse_cast_softcap:
+            logits = self._softcap_float32(logits)
         return logits.contiguous()
