@@ -18,6 +18,15 @@ TOKEN_MAP_HOOK = f"{WORKER}.init_token_map"
 LM_HEAD_HOOK = f"{WORKER}.init_lm_head"
 
 
+# Resolved algorithms whose workers do not read --speculative-token-map (stock ignores it).
+IGNORES_TOKEN_MAP = {
+    None: "without --speculative-algorithm",
+    "EAGLE3": "for EAGLE3: its draft ships its own reduced vocab (d2t), which already works under TP",
+    "FROZEN_KV_MTP": "for FROZEN_KV_MTP (SGLang promotes EAGLE/NEXTN to it for Gemma-4 assistant "
+    "drafts, which keep their own head)",
+}
+
+
 def _target_vocab_size(cfg) -> int | None:
     """The target's original vocab size from its HF config, or None if it cannot be read."""
     try:
@@ -53,11 +62,8 @@ def check_speculative_args(server_args, previous: Callable) -> None:
     if token_map is None:
         return
     algorithm = cfg.speculative_algorithm
-    if algorithm == "EAGLE3":
-        logger.warning(
-            "--speculative-token-map is ignored for EAGLE3: its draft ships its own "
-            "reduced vocab (d2t), which already works under TP."
-        )
+    if algorithm in IGNORES_TOKEN_MAP:  # as stock: the map is not used there
+        logger.warning("--speculative-token-map is ignored %s.", IGNORES_TOKEN_MAP[algorithm])
         return
     if algorithm != "EAGLE":
         reason = {
@@ -74,6 +80,14 @@ def check_speculative_args(server_args, previous: Callable) -> None:
             "multi-layer EAGLE worker shares the full head and would silently ignore the map. "
             "Drop one of the two flags."
         )
+    if cfg.speculative_use_rejection_sampling or cfg.speculative_use_block_verification:
+        raise UnsupportedSetupError(
+            "--speculative-token-map cannot be combined with --speculative-use-rejection-sampling "
+            "(or --speculative-use-block-verification, which turns it on): rejection sampling "
+            "needs the draft's distribution over the whole target vocab, so SGLang's verify "
+            "requires the draft and target to share one vocab, and a map holding the whole "
+            "vocab saves nothing. Drop --speculative-token-map or the rejection-sampling flag."
+        )
     if cfg.load_format == "gguf" or str(cfg.model_path).endswith(".gguf"):
         raise UnsupportedSetupError(
             "--speculative-token-map cannot be used with a GGUF target (--load-format gguf): "
@@ -81,6 +95,13 @@ def check_speculative_args(server_args, previous: Callable) -> None:
         )
     FrSpecOptions.from_env()  # an unknown layout/exchange fails here, not in every scheduler
     ids = load_token_map_ids(token_map)
+    if cfg.disaggregation_mode in ("prefill", "decode") and not bool((ids[1:] > ids[:-1]).all()):
+        logger.warning(
+            "--speculative-token-map %s is not sorted and unique: sglang-frspec uses the sorted "
+            "hot order, stock SGLang the file order, so the prefill and decode nodes of this PD "
+            "deployment must both run sglang-frspec (or save the map sorted and unique).",
+            token_map,
+        )
     vocab_size = _target_vocab_size(cfg)
     if vocab_size is not None:
         canonical_hot_ids(ids, vocab_size, source=token_map)
