@@ -27,8 +27,10 @@ class FrSpecLogitsProcessor(LogitsProcessor):
         exchange: str,
         topk: int,
         device: torch.device | str,
+        *,
+        logit_scale: float | None = None,
     ):
-        super().__init__(config)
+        super().__init__(config, logit_scale=logit_scale)
         self.vocab_size = plan.num_hot  # what _copy_logits_to_buffer and the graph buffer expect
         self.plan = plan
         self.shard = shard

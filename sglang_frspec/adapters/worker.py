@@ -132,7 +132,13 @@ def around_init_lm_head(original: Callable, worker) -> None:
         status = ("error", type(e).__name__, str(e))
     agree_across_ranks(status, get_parallel().tp_group)
     processor = FrSpecLogitsProcessor(
-        draft_model.config, plan, shard, options.exchange, worker.topk, head.device
+        draft_model.config,
+        plan,
+        shard,
+        options.exchange,
+        worker.topk,
+        head.device,
+        logit_scale=getattr(draft_model.logits_processor, "logit_scale", None),  # keep the draft's
     )
     draft_model.logits_processor = processor
     worker.hot_token_id = plan.hot_ids.to(head.device)
