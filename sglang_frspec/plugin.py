@@ -1,10 +1,10 @@
 """SGLang general-plugin entry point (group ``sglang.srt.plugins``, name ``frspec``).
 
 ``register()`` only registers hooks; SGLang applies them in every process that loads plugins
-(the launcher and each scheduler), before the draft worker is built.
+(the launcher and each scheduler), before the draft worker is built. It first checks the
+contract with SGLang (``adapters/contract.py``): a changed SGLang gets none of the hooks.
+Nothing here imports SGLang before that check.
 """
-
-from sglang_frspec.adapters.args import LM_HEAD_HOOK, TOKEN_MAP_HOOK
 
 WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 # The calls that complete a weight update (see adapters/worker.py): one-call updates, and the end
@@ -17,14 +17,18 @@ SESSION_END_HOOK = f"{WEIGHT_UPDATER}.end_weight_update"
 
 
 def register() -> None:
-    """Install this plugin's hooks into SGLang."""
+    """Install this plugin's hooks into SGLang (none of them if SGLang broke the contract)."""
+    from sglang_frspec.adapters import contract
+
+    if not contract.check_running_sglang():  # logged; at most the argument-time refusal is left
+        return
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_frspec.adapters import args, worker
 
-    HookRegistry.register(TOKEN_MAP_HOOK, worker.around_init_token_map, HookType.AROUND)
-    HookRegistry.register(LM_HEAD_HOOK, worker.around_init_lm_head, HookType.AROUND)
+    HookRegistry.register(args.TOKEN_MAP_HOOK, worker.around_init_token_map, HookType.AROUND)
+    HookRegistry.register(args.LM_HEAD_HOOK, worker.around_init_lm_head, HookType.AROUND)
     for target in COMPLETE_UPDATE_HOOKS:
         HookRegistry.register(target, worker.refresh_after_complete_update, HookType.AFTER)
     HookRegistry.register(SESSION_END_HOOK, worker.refresh_after_session_end, HookType.AFTER)
