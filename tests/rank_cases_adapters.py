@@ -114,12 +114,21 @@ def head_shard_cases(payload: dict) -> dict:
     out["tp"] = outcome(ParallelLMHead(vocab, hidden))
     out["attn_tp"] = outcome(ParallelLMHead(vocab, hidden, use_attn_tp_group=True))
     out["replicated"] = outcome(ParallelLMHead(vocab, hidden, enable_tp=False))
-    # A head built while the parallel context named another rank (as a draft built under a
-    # patched group would be): its rows are not those its group position implies.
-    with parallel.override(tp_rank=(parallel.tp_rank + 1) % parallel.tp_size):
-        other_tp = ParallelLMHead(vocab, hidden)
-    out["tp_other_rank"] = outcome(other_tp)
-    with parallel.override(attn_tp_rank=(parallel.attn_tp_rank + 1) % parallel.attn_tp_size):
-        other_attn = ParallelLMHead(vocab, hidden, use_attn_tp_group=True)
+
+    def built_as(tp_rank: int, **kwargs):
+        """A head built while the parallel context named another (consistent) rank, as a draft
+        built under a patched group would be: its rows are not those its group position implies."""
+        attn_tp_size = parallel.attn_tp_size
+        with parallel.override(tp_rank=tp_rank, attn_tp_rank=tp_rank % attn_tp_size,
+                               attn_dp_rank=tp_rank // attn_tp_size):  # fmt: skip
+            return ParallelLMHead(vocab, hidden, **kwargs)
+
+    next_tp_rank = (parallel.tp_rank + 1) % parallel.tp_size
+    out["tp_other_rank"] = outcome(built_as(next_tp_rank))
+    # The next rank of the same attention-TP group (same attention-DP rank).
+    next_attn_rank = (parallel.attn_tp_rank + 1) % parallel.attn_tp_size
+    other_attn = built_as(
+        parallel.attn_dp_rank * parallel.attn_tp_size + next_attn_rank, use_attn_tp_group=True
+    )
     out["attn_tp_other_rank"] = outcome(other_attn)
     return out
