@@ -28,8 +28,9 @@ def _draft_head(vocab: int, hidden: int, dtype: torch.dtype, weight: torch.Tenso
 def hot_logits(payload: dict) -> dict:
     """Draft logits of the plugin's processor for every (map, layout, exchange) case.
 
-    Returns, per case, this rank's logits plus the independent single-rank reference
-    ``h @ W[hot].T`` computed from the full checkpoint.
+    Returns, per case, this rank's logits, the exchange the processor chose, plus the
+    independent single-rank reference ``h @ W[hot].T`` computed from the full checkpoint, whose
+    columns are ``sorted(set(ids))`` (not the plugin's own canonicalisation).
     """
     from transformers import LlamaConfig
 
@@ -47,7 +48,8 @@ def hot_logits(payload: dict) -> dict:
     out = {"rank": shard.rank, "ranges": shard.shard_ranges}
     for name, ids in payload["maps"].items():
         hot = canonical_hot_ids(torch.tensor(ids), vocab).ids
-        reference = (hidden_states.float() @ full[hot].float().T).float()
+        columns = torch.tensor(sorted(set(ids)))
+        reference = (hidden_states.float() @ full[columns].float().T).float()
         for layout in payload["layouts"]:
             plan = plan_from_ranges(hot, shard.shard_ranges, layout)
             local_head = build_local_head(target.weight, plan, shard.rank, shard.all_gather)
@@ -57,6 +59,7 @@ def hot_logits(payload: dict) -> dict:
                 logits = processor._get_logits(hidden_states, draft, None, use_logits_buffer=False)
                 out[(name, layout, exchange)] = {
                     "logits": logits,
+                    "exchange": processor.exchange,
                     "reference": reference,
                     "counts": plan.counts,
                     "local_rows": local_head.shape[0],
@@ -114,7 +117,7 @@ def dp_lm_head_logits(payload: dict) -> dict:
         assert not processor.do_tensor_parallel_all_gather_dp_attn
         draft = _draft_head(vocab, hidden, torch.float32, local_head)
         out[layout] = processor._get_logits(hidden_states, draft, None, use_logits_buffer=False)
-    out["reference"] = hidden_states @ full[hot].T
+    out["reference"] = hidden_states @ full[sorted(set(payload["map"]))].T  # independent columns
     return out
 
 
@@ -164,5 +167,5 @@ def dp_attention_logits(payload: dict) -> dict:
             out[f"{layout}/{exchange}"] = processor._get_logits(
                 hidden_states, draft, metadata, use_logits_buffer=False
             )
-    out["reference"] = hidden_states @ full[hot].T
+    out["reference"] = hidden_states @ full[sorted(set(payload["map"]))].T  # independent columns
     return out

@@ -30,16 +30,32 @@ def _maps(tp: int) -> dict[str, list[int]]:
         "all_on_last": (last_start + torch.randperm(VOCAB - last_start, generator=gen)[:77]).tolist(),
         # Ids at 0, V-1 and every shard boundary, listed unsorted with duplicates.
         "adversarial": [VOCAB - 1, *boundaries, 0, 0, VOCAB - 1],
+        # H <= topk: the top-k packet cannot apply, the processor must fall back to the full gather.
+        "topk_equals_h": [VOCAB - 1, 2, 777, first_end][:TOPK],
+        "below_topk": [VOCAB - 1, 0, 0],
     }
 
 
-def _check_group(results: list[dict], tp: int, dtype: str) -> None:
+def _expected_exchange(requested: str, ids: list[int]) -> str:
+    """The exchange the processor must run: top-k only where 0 < topk < H."""
+    return requested if 0 < TOPK < len(set(ids)) else "full"
+
+
+def _owned_counts(ids: list[int], ranges) -> list[int]:
+    """Distinct ids inside each SGLang shard range, counted directly."""
+    distinct = set(ids)
+    return [sum(start <= i < end for i in distinct) for start, end in ranges]
+
+
+def _check_group(results: list[dict], tp: int, dtype: str, maps: dict[str, list[int]]) -> None:
     assert [r["rank"] for r in results] == list(range(tp))
     assert results[0]["ranges"] == vocab_shard_ranges(VOCAB, tp)  # SGLang's shards == our math
     cases = [key for key in results[0] if isinstance(key, tuple)]
-    assert len(cases) == 5 * 2 * 2
+    assert len(cases) == len(maps) * 2 * 2
     for key in cases:
         name, layout, exchange = key
+        # The exchange named in the case really ran (a silent fallback to full would pass below).
+        assert [r[key]["exchange"] for r in results] == [_expected_exchange(exchange, maps[name])] * tp, key
         logits = [r[key]["logits"] for r in results]
         reference = results[0][key]["reference"]
         for other in logits[1:]:  # bit-identical on every rank
@@ -53,23 +69,27 @@ def _check_group(results: list[dict], tp: int, dtype: str) -> None:
             else:
                 scale = reference.abs().max().item()
                 torch.testing.assert_close(got, reference, rtol=1e-2, atol=8e-3 * scale, msg=str(key))
+        elif _expected_exchange(exchange, maps[name]) == "full":  # the fallback is the full gather
+            assert torch.equal(got, results[0][(name, layout, "full")]["logits"]), key
         else:  # the top-k packet must reproduce the full logits' top-k exactly
             full = results[0][(name, layout, "full")]["logits"]
-            k = min(TOPK, full.shape[1] - 1)
-            want_p, want_i = torch.softmax(full, -1).topk(k, dim=-1)
-            got_p, got_i = torch.softmax(got, -1).topk(k, dim=-1)
+            want_p, want_i = torch.softmax(full, -1).topk(TOPK, dim=-1)
+            got_p, got_i = torch.softmax(got, -1).topk(TOPK, dim=-1)
             # Same ids, except that exact ties (common in bf16) may break either way.
             assert torch.equal(full.gather(1, got_i), full.gather(1, want_i)), key
             assert (got_i == want_i).float().mean() > 0.9, key
             torch.testing.assert_close(got_p, want_p, rtol=1e-4, atol=1e-6, msg=str(key))
         counts = results[0][key]["counts"]
-        if layout == "balanced":
-            assert max(counts) - min(counts) <= 1, key
+        if layout == "local":  # each rank computes exactly the hot ids of its own shard
+            assert list(counts) == _owned_counts(maps[name], results[0]["ranges"]), key
+        else:  # equal slices of the hot order
+            assert sum(counts) == len(set(maps[name])) and max(counts) - min(counts) <= 1, key
             assert {r[key]["local_rows"] for r in results} == {max(counts)}, key
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_hot_logits_match_single_rank_reference(tp):
+    maps = _maps(tp)
     results = run_tp_group(
         "tests.rank_cases:hot_logits",
         tp,
@@ -78,12 +98,12 @@ def test_hot_logits_match_single_rank_reference(tp):
             "hidden": HIDDEN,
             "rows": ROWS,
             "topk": TOPK,
-            "maps": _maps(tp),
+            "maps": maps,
             "layouts": ["local", "balanced"],
             "exchanges": ["full", "topk"],
         },
     )
-    _check_group(results, tp, "float32")
+    _check_group(results, tp, "float32", maps)
     # The skewed map really is skewed under the local layout (that is what balanced fixes).
     local = results[0][("skewed", "local", "full")]["counts"]
     assert max(local) > 1.5 * sum(local) / tp
@@ -104,7 +124,7 @@ def test_hot_logits_bf16_and_idle_rows():
             "dtype": "bfloat16",
         },
     )
-    _check_group(results, 2, "bfloat16")
+    _check_group(results, 2, "bfloat16", _maps(2))
     idle = run_tp_group(
         "tests.rank_cases:hot_logits",
         2,
@@ -119,8 +139,7 @@ def test_hot_logits_bf16_and_idle_rows():
         },
     )
     for key in [k for k in idle[0] if isinstance(k, tuple)]:
-        num_hot = len(canonical_hot_ids(torch.tensor(_maps(2)[key[0]]), VOCAB))
-        assert idle[0][key]["logits"].shape == (0, num_hot)
+        assert idle[0][key]["logits"].shape == (0, len(set(_maps(2)[key[0]])))
 
 
 def test_ranks_with_different_maps_fail_together_naming_both_digests():

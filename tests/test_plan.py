@@ -67,13 +67,21 @@ def test_ranges_match_sglang_random(vocab, tp):
 
 @pytest.mark.parametrize(("vocab", "tp"), [(128256, 4), (128256, 8), (151936, 3), (5003, 3)])
 def test_plan_edges_land_on_the_owning_rank(vocab, tp):
-    ranges = vocab_shard_ranges(vocab, tp)
+    """owned_rows against SGLang's own loader: each rank's ParallelLMHead is loaded from a
+    checkpoint whose row i holds i, so the local rows the plan names must hold the rank's ids."""
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+    from sglang.srt.runtime_context import get_parallel
+
+    ranges = sglang_ranges(vocab, tp)
     edges = sorted({0, vocab - 1} | {i for s, e in ranges for i in (s, e - 1) if s < e})
     plan = plan_hot_shards(edges, vocab, tp, layout="local")
+    checkpoint = torch.arange(vocab, dtype=torch.float64).unsqueeze(1)  # exact ids up to 2**53
     for rank, (start, end) in enumerate(ranges):
+        with get_parallel().override(tp_rank=rank, tp_size=tp):
+            head = ParallelLMHead(vocab, 1, params_dtype=torch.float64)
+            head.weight_loader(head.weight, checkpoint)
         rows = plan.owned_rows(rank)
-        assert torch.equal(rows + start, plan.hot_ids[(plan.hot_ids >= start) & (plan.hot_ids < end)])
-        assert rows.numel() == 0 or (rows.min() >= 0 and rows.max() < end - start)
+        assert head.weight[rows, 0].long().tolist() == [i for i in edges if start <= i < end], rank
 
 
 def test_llama3_example_from_the_reference_table():
@@ -124,7 +132,8 @@ def test_plan_invariants(inputs):
     # Every hot id is owned by exactly one rank (its vocab shard) and computed by exactly one.
     owners = [sum(s <= i < e for s, e in plan.shard_ranges) for i in hot.tolist()]
     assert owners == [1] * len(hot)
-    assert sum(plan.owned_counts) == sum(plan.counts) == plan.num_hot
+    assert list(plan.owned_counts) == [sum(s <= i < e for i in set(ids)) for s, e in plan.shard_ranges]
+    assert sum(plan.counts) == plan.num_hot
     assert all(0 <= c <= plan.width for c in plan.counts)
     # Compaction restores hot order from a rank-major gather, and never picks a padding slot.
     gathered = torch.full((tp, plan.width), -1, dtype=torch.int64)
