@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from sglang_frspec import FrSpecOptions, UnsupportedSetupError, set_options
 from sglang_frspec.core.options import EXCHANGE_ENV, LAYOUT_ENV
@@ -39,3 +40,23 @@ def test_unknown_values_are_rejected(options_unset, field, value):
     with pytest.raises(UnsupportedSetupError, match=f"unknown {field} '{value}'"):
         set_options(**{field: value})
     assert LAYOUT_ENV not in os.environ and EXCHANGE_ENV not in os.environ  # nothing half-written
+
+
+def test_auto_exchange_is_accepted(options_unset):
+    assert set_options(exchange="auto").exchange == "auto"
+    assert FrSpecOptions.from_env().exchange == "auto"
+
+
+def test_auto_rule_picks_by_gathered_bytes_per_device():
+    from sglang_frspec.core import plan_hot_shards
+    from sglang_frspec.core.exchange_rule import DEFAULT_TOPK_MIN_GATHER_BYTES, auto_exchange
+
+    plan = plan_hot_shards(torch.arange(0, 8000, 2), 8000, 2, layout="balanced")  # width 2000
+    one = plan_hot_shards(plan.hot_ids, 8000, 1)
+    assert auto_exchange(one, 64, 4, 4, "cpu") == "full"  # no collective: full is a slice
+    assert auto_exchange(plan, 64, plan.num_hot, 4, "cpu") == "full"  # no valid packet (k >= H)
+    assert [auto_exchange(plan, rows, 4, 4, "cpu") for rows in (1, 8, 64)] == ["topk"] * 3
+    per_row = plan.gathered_bytes_per_row(2)  # bf16
+    below = (DEFAULT_TOPK_MIN_GATHER_BYTES - 1) // per_row
+    assert auto_exchange(plan, below, 4, 2, "cuda") == "full"
+    assert auto_exchange(plan, below + 1, 4, 2, "cuda") == "topk"

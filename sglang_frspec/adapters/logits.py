@@ -7,6 +7,7 @@ from sglang.srt.layers.logits_processor import LogitsMetadata, LogitsProcessor, 
 
 from sglang_frspec.adapters.head import HeadShard
 from sglang_frspec.core import HotLogitsExchange, HotShardPlan, UnsupportedSetupError
+from sglang_frspec.core.exchange_rule import AUTO, auto_exchange
 
 
 class FrSpecLogitsProcessor(LogitsProcessor):
@@ -38,6 +39,13 @@ class FrSpecLogitsProcessor(LogitsProcessor):
         self.exchange = exchange if 0 < topk < plan.num_hot else "full"
         self.topk = topk
         self.hot_logits = HotLogitsExchange(plan, shard.rank, device)
+
+    def exchange_for_rows(self, local: torch.Tensor) -> str:
+        """The exchange for this step's ``[rows, width]`` local logits: ``self.exchange``, or under
+        ``auto`` the rule's pick for the row count (the same on every rank: a pure function)."""
+        if self.exchange != AUTO:
+            return self.exchange
+        return auto_exchange(self.plan, local.shape[0], self.topk, local.element_size(), local.device.type)
 
     def _check_head(self, lm_head) -> None:
         """Python-level guard (graph-safe): the head the draft passes must be the hot head."""
@@ -83,7 +91,7 @@ class FrSpecLogitsProcessor(LogitsProcessor):
         )
         local = self._local_logits(hidden_states, lm_head)
         cap = self.final_logit_softcapping
-        if self.exchange == "topk":
+        if self.exchange_for_rows(local) == "topk":
             # The packet's values and rest mass must be those of the capped float32 logits,
             # so cap before it (elementwise: the same values stock caps after its gather).
             logits = self.hot_logits.topk(

@@ -8,6 +8,7 @@ is left waiting.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -132,7 +133,7 @@ class HotLogitsExchange:
         from positive terms only (never ``1 - top mass``), so it stays accurate when the
         distribution is peaked.
         """
-        packet = self.topk_packet(local, k)
+        packet = self.packet(local, k)
         num_rows = local.shape[0]
         gathered = _gather(packet, self.plan.tp_size, all_gather)
         rank_major = gathered.permute(1, 0, 2)  # [T, tp, 2k+1]
@@ -150,8 +151,30 @@ class HotLogitsExchange:
         logits = fill[:, None].expand(num_rows, self.num_hot).contiguous()
         return logits.scatter_(1, top_indices, top_values)
 
+    def packet(self, local: torch.Tensor, k: int) -> torch.Tensor:
+        """``topk_packet``, by the single-pass Triton kernel on CUDA when triton imports."""
+        kernels = self._triton_kernels() if local.is_cuda else None
+        if kernels is None:
+            return self.topk_packet(local, k)
+        if not 0 < k < self.num_hot:
+            raise ValueError(f"top-k exchange needs 0 < k < H, got k={k}, H={self.num_hot}")
+        return kernels.topk_packet(local, self.count, self.offset, k)
+
+    @staticmethod
+    @functools.cache
+    def _triton_kernels():
+        try:
+            from sglang_frspec import kernels
+        except ImportError:  # no triton: the torch reference
+            return None
+        return kernels
+
     def topk_packet(self, local: torch.Tensor, k: int) -> torch.Tensor:
-        """This rank's share of the top-k exchange: [T, 2k+1] (top-k values, hot indices, rest LSE)."""
+        """This rank's share of the top-k exchange: [T, 2k+1] (top-k values, hot indices, rest LSE).
+
+        The torch reference of ``kernels.topk_packet``. Ties are broken by the lower column, so
+        the packet is a function of the logits alone (``torch.topk`` leaves ties unspecified).
+        """
         if not 0 < k < self.num_hot:
             raise ValueError(f"top-k exchange needs 0 < k < H, got k={k}, H={self.num_hot}")
         num_rows = local.shape[0]
@@ -161,10 +184,31 @@ class HotLogitsExchange:
         rest_lse = mine.new_full((num_rows, 1), -math.inf)
         if self.count:
             kept = min(k, self.count)
-            top_values, top_slots = mine.topk(kept, dim=1)
-            values[:, :kept] = top_values
+            top_slots = self._ordered_top_slots(mine, kept)
+            values[:, :kept] = mine.gather(1, top_slots)
             # Hot indices < 2**24 are exact in float32, so one float packet carries all three.
             indices[:, :kept] = (top_slots + self.offset).float()
             rest = mine.scatter(1, top_slots, -math.inf)
             rest_lse = torch.logsumexp(rest, dim=1, keepdim=True)
         return torch.cat([values, indices, rest_lse], dim=1)
+
+    @staticmethod
+    def _ordered_top_slots(mine: torch.Tensor, kept: int) -> torch.Tensor:
+        """Columns of the ``kept`` largest values, by value then lower column (int64 [T, kept]).
+
+        Two float top-k passes (an int64 key top-k over the whole row is 5x slower on CPU): the
+        first finds the k-th value, the second the lowest columns holding it; the <= 2k
+        candidates are then ordered by a distinct (value bits, column) key.
+        """
+        top_values, top_slots = mine.topk(kept, dim=1)
+        kth = top_values[:, -1:]
+        column_score = torch.arange(mine.shape[1], 0, -1, device=mine.device, dtype=torch.float32)
+        tie_slots = torch.where(mine == kth, column_score, 0.0).topk(kept, dim=1).indices
+        num_above = (top_values > kth).sum(1, keepdim=True)
+        slot_rank = torch.arange(kept, device=mine.device)
+        slots = torch.cat([top_slots, tie_slots], dim=1)
+        valid = torch.cat([top_values > kth, slot_rank < kept - num_above], dim=1)
+        bits = mine.gather(1, slots).view(torch.int32)
+        ordered_bits = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()  # signed order == float order
+        keys = torch.where(valid, (ordered_bits << 31) | (2**31 - 1 - slots), torch.iinfo(torch.int64).min)
+        return slots.gather(1, keys.topk(kept, dim=1).indices)

@@ -1,7 +1,8 @@
 """Layout and exchange selection, shared by the Python API and SGLang's spawned schedulers.
 
 Schedulers are fresh processes, so the choice travels in environment variables:
-``SGLANG_FRSPEC_LAYOUT`` (local | balanced) and ``SGLANG_FRSPEC_EXCHANGE`` (full | topk).
+``SGLANG_FRSPEC_LAYOUT`` (local | balanced) and ``SGLANG_FRSPEC_EXCHANGE`` (full | topk | auto:
+per batch size, by ``core.exchange_rule.auto_exchange``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from sglang_frspec.core.errors import UnsupportedSetupError
-from sglang_frspec.core.gather import EXCHANGES
+from sglang_frspec.core.exchange_rule import EXCHANGE_CHOICES
 from sglang_frspec.core.plan import LAYOUTS
 
 LAYOUT_ENV = "SGLANG_FRSPEC_LAYOUT"
@@ -32,10 +33,10 @@ class FrSpecOptions:
                 f"unknown layout {self.layout!r} (from {LAYOUT_ENV} or the API); "
                 f"choose one of: {', '.join(LAYOUTS)}"
             )
-        if self.exchange not in EXCHANGES:
+        if self.exchange not in EXCHANGE_CHOICES:
             raise UnsupportedSetupError(
                 f"unknown exchange {self.exchange!r} (from {EXCHANGE_ENV} or the API); "
-                f"choose one of: {', '.join(EXCHANGES)}"
+                f"choose one of: {', '.join(EXCHANGE_CHOICES)}"
             )
 
     @classmethod
