@@ -25,9 +25,16 @@ from pathlib import Path
 
 import torch
 
-from sglang_frspec.testing.fixtures import PermFixture, _llama_config, cache_root, cached_build
+from sglang_frspec.testing.fixtures import (
+    PermFixture,
+    _llama_config,
+    cache_root,
+    cached_build,
+    source_digest,
+)
 
-EAGLE3_FORMAT = 1  # bump when the builder changes, so cached copies are rebuilt
+# The target's folder name already carries the perm builder's digest; this one covers this file.
+EAGLE3_DIGEST = source_digest(__name__)
 # SGLang captures layer i + 1's input for id i: -1 is the embedding output, 0 is layer 0's output.
 # Two captures (not one) so the aux width differs from the hidden size and fc really runs.
 AUX_LAYER_IDS = [-1, 0]
@@ -144,6 +151,6 @@ def _build_eagle3(path: Path, fixture: PermFixture, draft_vocab_size: int, seed:
 
 def eagle3_draft(fixture: PermFixture, draft_vocab_size: int = 1024, seed: int = 4321) -> str:
     """Build (once, cached) an EAGLE3 draft for ``fixture.target``; returns its directory."""
-    root = cache_root() / f"eagle3-{EAGLE3_FORMAT}-{fixture.root.name}-d{draft_vocab_size}-s{seed}"
+    root = cache_root() / f"eagle3-{EAGLE3_DIGEST}-{fixture.root.name}-d{draft_vocab_size}-s{seed}"
     build = lambda path: _build_eagle3(path, fixture, draft_vocab_size, seed)  # noqa: E731
     return str(cached_build(root, build, marker="config.json"))

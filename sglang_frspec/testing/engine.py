@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 
-from sglang_frspec.testing.server import ServerError
+from sglang_frspec.testing.server import ServerError, kill_tree
 
 _RESULT = "FRSPEC_ENGINE_RESULT "
 
@@ -22,23 +22,33 @@ _RESULT = "FRSPEC_ENGINE_RESULT "
 def run_engine(engine_kwargs: dict, steps: list[dict], env: dict, timeout: float = 600.0) -> list:
     """Results of ``steps`` (generate outputs, update replies) from a fresh Engine."""
     request = json.dumps({"engine": engine_kwargs, "steps": steps})
+    # Its own session, so the Engine's schedulers and detokenizer can be killed with it.
+    child = subprocess.Popen(
+        [sys.executable, "-m", __name__],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        out = subprocess.run(
-            [sys.executable, "-m", __name__],
-            input=request,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        stdout, stderr = child.communicate(request, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        raise ServerError(f"engine child timed out after {timeout:.0f}s") from e
-    for line in out.stdout.splitlines():
+        kill_tree(child.pid, grace=5.0)
+        stdout, stderr = child.communicate()
+        raise ServerError(
+            f"engine child timed out after {timeout:.0f}s (its process tree was killed); output:\n"
+            f"{stdout[-3000:]}\n{stderr[-6000:]}"
+        ) from e
+    finally:
+        kill_tree(child.pid, grace=5.0)  # leftovers of a child that exited without shutting down
+    for line in stdout.splitlines():
         if line.startswith(_RESULT):
             return json.loads(line[len(_RESULT) :])
     raise ServerError(
-        f"engine child exited with status {out.returncode} and no result; output:\n"
-        f"{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+        f"engine child exited with status {child.returncode} and no result; output:\n"
+        f"{stdout[-3000:]}\n{stderr[-6000:]}"
     )
 
 

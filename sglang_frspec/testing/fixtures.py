@@ -12,6 +12,7 @@ The hot set holds two cycles: a small one inside rank 0's TP=2 half (``low_chain
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,7 +26,20 @@ import torch
 from sglang_frspec.core.plan import vocab_shard_ranges
 
 LLAMA3_VOCAB = 128256
-FIXTURE_FORMAT = 3  # bump when the builder changes, so cached copies are rebuilt
+
+
+def source_digest(*modules: str) -> str:
+    """Short sha256 of these modules' source files: part of every cached fixture's name, so any
+    change to a builder (or a helper it calls) builds a fresh copy instead of reusing a stale one."""
+    import importlib.util
+
+    digest = hashlib.sha256()
+    for module in modules:
+        digest.update(Path(importlib.util.find_spec(module).origin).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+BUILDER_DIGEST = source_digest(__name__)
 
 
 def cache_root() -> Path:
@@ -254,7 +268,7 @@ def perm_fixture(
 ) -> PermFixture:
     """Build (once, cached) and return the permutation fixture for these sizes."""
     root = cached_build(
-        cache_root() / f"perm{FIXTURE_FORMAT}-v{vocab_size}-h{hidden_size}-n{num_hot}-s{seed}",
+        cache_root() / f"perm-{BUILDER_DIGEST}-v{vocab_size}-h{hidden_size}-n{num_hot}-s{seed}",
         lambda path: _build_perm(path, vocab_size, hidden_size, num_hot, seed),
         marker="chains.json",
     )
@@ -301,7 +315,7 @@ def random_fixture(
     """A tiny Llama target and EAGLE draft with random weights, a tokenizer and a random map
     (``token_map("hot")``); outputs are whatever greedy decoding of random weights gives."""
     root = cached_build(
-        cache_root() / f"random{FIXTURE_FORMAT}-v{vocab_size}-h{hidden_size}-n{num_hot}-s{seed}",
+        cache_root() / f"random-{BUILDER_DIGEST}-v{vocab_size}-h{hidden_size}-n{num_hot}-s{seed}",
         lambda path: _build_random(path, vocab_size, hidden_size, num_hot, seed),
         marker="map_hot.pt",
     )

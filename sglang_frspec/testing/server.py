@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +14,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+# SGLang's warmup thread logs this last. With --skip-server-warmup it still POSTs /freeze_gc (a
+# 10 s read timeout) after /health turns 200; waiting for this line keeps test requests from
+# overlapping it on a loaded machine (sglang 0.5.23 http_server._wait_and_warmup).
+READY_LINE = "The server is fired up and ready to roll!"
+# Every plugin server logs this once (rank 0) when its hot head is installed.
+ACTIVE_LINE = re.compile(r"sglang-frspec: (\d+) hot ids over (\d+) rank\(s\), layout=(\w+) exchange=(\w+)")
 
 
 class ServerError(RuntimeError):
@@ -26,21 +34,47 @@ def free_port() -> int:
 
 
 def log_tail(path: Path, lines: int = 60) -> str:
+    """The log's last ``lines``, preceded by its first error lines (a long warning traceback at
+    the end must not hide the error that ended the server)."""
     try:
         text = Path(path).read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
-    return "\n".join(text[-lines:])
+    errors = [line for line in text[:-lines] if re.search(r"Error|Exception|exit|[Kk]illed", line)][:20]
+    head = ["(first error lines)", *errors, "(last lines)"] if errors else []
+    return "\n".join(head + text[-lines:])
+
+
+def plugin_activity(log: str) -> list[tuple[int, int, str, str]]:
+    """(hot ids, ranks, layout, exchange) of each ``sglang-frspec: N hot ids over ...`` line."""
+    return [(int(n), int(tp), layout, exchange) for n, tp, layout, exchange in ACTIVE_LINE.findall(log)]
+
+
+def _process_tree(pid: int) -> list:
+    """``pid``, its descendants and every other member of its process group (children of a
+    launcher that already exited are reparented, but stay in the group it leads)."""
+    import psutil
+
+    procs = {}
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(pid)
+        procs[pid] = root
+        for child in root.children(recursive=True):
+            procs[child.pid] = child
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if proc.pid not in procs and os.getpgid(proc.pid) == pid:
+                procs[proc.pid] = proc
+    return list(procs.values())
 
 
 def kill_tree(pid: int, grace: float = 10.0) -> None:
-    """SIGTERM the process group and every descendant of ``pid``, then SIGKILL leftovers."""
+    """SIGTERM the process group and every descendant of ``pid``, then SIGKILL leftovers.
+
+    Safe to call on a process that already exited (its group's leftovers are still found)."""
     import psutil
 
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        procs = []
+    procs = _process_tree(pid)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, sig)  # started with start_new_session: pgid == pid
@@ -66,6 +100,8 @@ class SGLangServer:
         self.ready_timeout = ready_timeout
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
+        level = args[args.index("--log-level") + 1] if "--log-level" in args else "info"
+        self.logs_ready_line = level.lower() in ("debug", "info")
 
     @property
     def url(self) -> str:
@@ -94,6 +130,7 @@ class SGLangServer:
     def wait_ready(self) -> SGLangServer:
         deadline = time.monotonic() + self.ready_timeout
         port_retries = 3
+        healthy = False
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 # The port was free when picked, but SGLang's own processes also bind random
@@ -103,22 +140,28 @@ class SGLangServer:
                     self.stop()
                     self.port = free_port()
                     self.start()
+                    healthy = False
                     continue
                 raise ServerError(
                     f"server exited with status {self.proc.returncode} before it "
                     f"was ready; log {self.log_path}:\n{log_tail(self.log_path)}"
                 )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
+            if not healthy:
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                        healthy = r.status == 200
+                except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                    pass
+            if healthy and (not self.logs_ready_line or READY_LINE in self.log()):
+                return self
             time.sleep(1.0)
         raise ServerError(
             f"server not ready after {self.ready_timeout:.0f}s; "
             f"log {self.log_path}:\n{log_tail(self.log_path)}"
         )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def wait_exit(self, timeout: float) -> int:
         """Wait for a server that is expected to fail; returns its exit status."""
@@ -156,8 +199,7 @@ class SGLangServer:
     def _signal_tree(self, sig: signal.Signals) -> None:
         import psutil
 
-        root = psutil.Process(self.proc.pid)
-        for proc in [root, *root.children(recursive=True)]:
+        for proc in _process_tree(self.proc.pid):
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(sig)
 
@@ -170,12 +212,13 @@ class SGLangServer:
         self._signal_tree(signal.SIGCONT)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.resume()  # a stopped process would not act on SIGTERM
-            kill_tree(self.proc.pid)
-        if self.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=10)
+        """Stop the whole tree; also when the launcher already exited and left schedulers behind."""
+        if self.proc is None:
+            return
+        self.resume()  # a stopped process would not act on SIGTERM
+        kill_tree(self.proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
 
     def __enter__(self) -> SGLangServer:
         self.start()

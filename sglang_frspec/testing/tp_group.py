@@ -10,6 +10,7 @@ rank stuck in a collective never hangs the caller.
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -20,6 +21,9 @@ from pathlib import Path
 
 from sglang_frspec.testing.cpu import cpu_env
 from sglang_frspec.testing.server import free_port, kill_tree
+
+PORT_RETRIES = 3
+PORT_TAKEN = "EADDRINUSE"  # torch's TCPStore: "... name: EADDRINUSE, message: address already in use"
 
 
 class TPGroupError(RuntimeError):
@@ -41,8 +45,23 @@ def run_tp_group(
 ) -> list:
     """Run ``target`` ("module:function") on ``tp_size`` ranks; returns results in rank order.
 
-    ``server_args`` adds ServerArgs fields (e.g. dp attention settings) for every rank.
+    ``server_args`` adds ServerArgs fields (e.g. dp attention settings) for every rank; ``env``
+    adds variables to this process's environment. A group whose rendezvous port was taken by
+    another process between picking and binding it (the error names EADDRINUSE) runs again on
+    a fresh port, as ``SGLangServer`` does.
     """
+    run_env = cpu_env(tp_size, base=os.environ | (env or {}))
+    retries = PORT_RETRIES
+    while True:
+        try:
+            return _run_once(target, tp_size, payload, timeout, server_args or {}, run_env)
+        except TPGroupError as e:
+            if not retries or not any(PORT_TAKEN in err for err in e.rank_errors.values()):
+                raise
+            retries -= 1
+
+
+def _run_once(target: str, tp_size: int, payload, timeout: float, server_args: dict, run_env: dict) -> list:
     with tempfile.TemporaryDirectory(prefix="frspec-tp-") as tmp:
         spec = Path(tmp, "spec.pkl")
         spec.write_bytes(
@@ -52,26 +71,25 @@ def run_tp_group(
                     "payload": payload,
                     "tp_size": tp_size,
                     "port": free_port(),
-                    "server_args": server_args or {},
+                    "server_args": server_args,
                 }
             )
         )
-        run_env = cpu_env(tp_size, base=env)
         logs = [Path(tmp, f"rank{r}.log") for r in range(tp_size)]
         procs = []
-        for rank in range(tp_size):
-            with open(logs[rank], "w") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", __name__, str(spec), str(rank)],
-                        env=run_env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        deadline = time.monotonic() + timeout
         try:
+            for rank in range(tp_size):
+                with open(logs[rank], "w") as log:
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", __name__, str(spec), str(rank)],
+                            env=run_env,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    )
+            deadline = time.monotonic() + timeout
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 if any(p.poll() not in (None, 0) for p in procs):
                     time.sleep(3.0)  # let the other ranks report their own error first
@@ -79,9 +97,8 @@ def run_tp_group(
                 time.sleep(0.2)
         finally:
             timed_out = any(p.poll() is None for p in procs)
-            for p in procs:
-                if p.poll() is None:
-                    kill_tree(p.pid, grace=2.0)
+            for p in procs:  # each rank's whole group, also of ranks that already exited
+                kill_tree(p.pid, grace=2.0)
         results, errors = [], {}
         for rank in range(tp_size):
             out = Path(tmp, f"result{rank}.pkl")
