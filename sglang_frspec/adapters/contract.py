@@ -5,7 +5,7 @@
 - live, at ``register()``, against the running SGLang (imported objects, ``inspect``), so a
   changed SGLang installs none of the plugin's hooks instead of failing half-way;
 - from source, against a release's files read with ``ast`` (an installed tree or a downloaded
-  wheel), so ``scripts/check-sglang-releases`` proves the declared range without installing it.
+  wheel), so ``scripts/check_sglang_releases.py`` proves the declared range without installing it.
 
 A target is ``"module:Qualified.name"``. Entries look only at what the named class or module
 defines itself (not its bases), so both checks see the same thing. To rely on a new SGLang name,
@@ -183,10 +183,14 @@ class SourceSGLang:
         relative = module_name.replace(".", "/")
         for candidate in (f"{relative}.py", f"{relative}/__init__.py"):
             if isinstance(self.root, zipfile.ZipFile):
-                if candidate in self.root.namelist():
-                    return ast.parse(self.root.read(candidate))
-            elif (self.root / candidate).is_file():
-                return ast.parse((self.root / candidate).read_bytes())
+                source = self.root.read(candidate) if candidate in self.root.namelist() else None
+            else:
+                source = (self.root / candidate).read_bytes() if (self.root / candidate).is_file() else None
+            if source is not None:
+                try:
+                    return ast.parse(source)
+                except SyntaxError as e:  # newer syntax than this Python reads
+                    raise Missing(f"module {module_name} cannot be parsed ({e})") from e
         raise Missing(f"module {module_name} does not exist")
 
     def _find(self, module_name: str, path: list[str], target: str, follow: int = 3) -> ast.AST:
@@ -573,3 +577,13 @@ def check_running_sglang() -> bool:
     if refusable:
         refuse_token_map_at_tp(message)
     return False
+
+
+def compatibility_table(results: list[tuple[str, list[str]]], tested: str) -> str:
+    """The README's compatibility table: one row per (release, problems), newest first."""
+    lines = [f"| SGLang | contract ({len(CONTRACT)} entries) | test suite |", "|---|---|---|"]
+    for version, found in results:
+        contract = "holds" if not found else "broken: " + "; ".join(found)
+        suite = "runs on it (constraints.txt)" if version == tested else "not run"
+        lines.append(f"| {version} | {contract} | {suite} |")
+    return "\n".join(lines)

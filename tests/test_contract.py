@@ -1,0 +1,244 @@
+"""The contract with SGLang (adapters/contract.py): it holds on the installed SGLang, live and
+from source; a changed SGLang is named in one logged line, gets none of the hooks, and a token
+map at TP > 1 is refused at argument time while TP = 1 resolves as stock."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import tomllib
+from packaging.requirements import Requirement
+
+from sglang_frspec.adapters import contract
+from sglang_frspec.testing.cpu import cpu_env
+
+REPO = Path(__file__).resolve().parent.parent
+SITE = Path(importlib.util.find_spec("sglang").origin).parent.parent  # the folder holding sglang/
+INSTALLED = importlib.metadata.version("sglang")
+
+
+def _pins() -> dict[str, str]:
+    lines = (REPO / "constraints.txt").read_text().splitlines()
+    return dict(line.split("==") for line in lines if line and not line.startswith("#"))
+
+
+def test_contract_holds_on_the_installed_sglang_live_and_from_source():
+    assert contract.problems(contract.LiveSGLang()) == []
+    assert contract.problems(contract.SourceSGLang(SITE, INSTALLED)) == []
+
+
+def _contract_files() -> list[str]:
+    modules = {
+        e.module if isinstance(e, contract.Named) else e.target.partition(":")[0] for e in contract.CONTRACT
+    }
+    files = []
+    for module in sorted(modules):
+        relative = module.replace(".", "/")
+        files += [f for f in (f"{relative}.py", f"{relative}/__init__.py") if (SITE / f).is_file()]
+    return files
+
+
+def _release_wheel(path: Path, file: str | None = None, old: str | None = None, new: str | None = None):
+    """A wheel-like zip of the installed files the contract reads; ``file`` edited (or dropped)."""
+    with zipfile.ZipFile(path, "w") as wheel:
+        for name in _contract_files():
+            text = (SITE / name).read_text()
+            if name == file:
+                if old is None:
+                    continue
+                assert old in text, f"the fault no longer applies to {name}: {old!r}"
+                text = text.replace(old, new)
+            wheel.writestr(name, text)
+    return zipfile.ZipFile(path)
+
+
+SOURCE_CHANGES = {
+    "renamed method": (
+        "sglang/srt/layers/logits_processor.py",
+        "    def _get_logits(\n",
+        "    def _get_logits_v2(\n",
+        "LogitsProcessor._get_logits is not defined",
+    ),
+    "renamed parameter": (
+        "sglang/srt/layers/vocab_parallel_embedding.py",
+        "        tp_rank: int,\n        tp_size: int,\n    ) -> VocabParallelEmbeddingShardIndices:",
+        "        rank: int,\n        tp_size: int,\n    ) -> VocabParallelEmbeddingShardIndices:",
+        "VocabParallelEmbedding._get_indices takes classmethod (cls, vocab_size_padded, "
+        "org_vocab_size_padded, vocab_size, org_vocab_size, rank, tp_size), not classmethod (cls, "
+        "vocab_size_padded, org_vocab_size_padded, vocab_size, org_vocab_size, tp_rank, tp_size)",
+    ),
+    "parameters lost their defaults": (
+        "sglang/srt/layers/logits_processor.py",
+        "        embedding_bias: Optional[torch.Tensor] = None,\n        use_logits_buffer: bool = True,\n",
+        "        embedding_bias: Optional[torch.Tensor],\n        use_logits_buffer: bool,\n",
+        "LogitsProcessor._get_logits takes (self, hidden_states, lm_head, logits_metadata, "
+        "embedding_bias, use_logits_buffer)",
+    ),
+    "instance attribute renamed": (
+        "sglang/srt/speculative/eagle_worker_v2.py",
+        "self.topk = get_spec().speculative_eagle_topk",
+        "self.top_k = get_spec().speculative_eagle_topk",
+        "EagleDraftWorker.topk is not defined",
+    ),
+    "server field renamed": (
+        "sglang/srt/arg_groups/fields/spec.py",
+        "    speculative_token_map: A[",
+        "    speculative_token_maps: A[",
+        "Spec.speculative_token_map is not defined",
+    ),
+    "enum member removed": (
+        "sglang/srt/plugins/hook_registry.py",
+        '    AFTER = "after"',
+        "",
+        "HookType.AFTER is not defined",
+    ),
+    "resolution step no longer overridable": (
+        "sglang/srt/arg_groups/resolution_hooks.py",
+        '"handle_speculative_decoding",',
+        "",
+        "_OVERRIDABLE_HOOKS no longer holds 'handle_speculative_decoding'",
+    ),
+    "dynamic name gone": (
+        "sglang/srt/runtime_context.py",
+        '"attn_tp_group"',
+        '"attn_tp_grp"',
+        "sglang.srt.runtime_context no longer names 'attn_tp_group'",
+    ),
+    "module removed": (
+        "sglang/srt/plugins/hook_registry.py",
+        None,
+        None,
+        "module sglang.srt.plugins.hook_registry does not exist",
+    ),
+}
+
+
+def test_an_unchanged_copy_of_the_source_keeps_the_contract(tmp_path):
+    assert contract.problems(contract.SourceSGLang(_release_wheel(tmp_path / "r.whl"), INSTALLED)) == []
+
+
+@pytest.mark.parametrize("change", SOURCE_CHANGES)
+def test_the_source_check_names_each_kind_of_change(tmp_path, change):
+    file, old, new, expected = SOURCE_CHANGES[change]
+    release = contract.SourceSGLang(_release_wheel(tmp_path / "r.whl", file, old, new), "9.9.9")
+    found = contract.problems(release)
+    assert any(expected in problem for problem in found), found
+
+
+LIVE_SCRIPT = """
+import json, logging, sys
+logging.basicConfig(level=logging.ERROR, stream=sys.stdout, format="LOG %(name)s: %(message)s")
+fault, target, draft, token_map = sys.argv[1:]
+from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+if fault == "renamed method":
+    LogitsProcessor._get_logits_v2 = LogitsProcessor._get_logits
+    del LogitsProcessor._get_logits
+elif fault == "changed signature":
+    def _get_indices(cls, vocab_size_padded, org_vocab_size_padded, vocab_size, org_vocab_size, rank):
+        raise AssertionError("not called")
+    VocabParallelEmbedding._get_indices = classmethod(_get_indices)
+from sglang.srt.arg_groups import resolution_hooks
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.server_args import ServerArgs
+load_plugins()  # SGLang's own discovery: SGLANG_PLUGINS=frspec, then register(), then apply_hooks()
+result = {"hooks": sorted(HookRegistry._hooks), "patched": sorted(HookRegistry._patched),
+          "resolution": sorted(resolution_hooks._HOOKS)}
+for tp in (1, 2):
+    args = ServerArgs(model_path=target, tp_size=tp, device="cpu", speculative_algorithm="EAGLE",
+                      speculative_draft_model_path=draft, speculative_token_map=token_map)
+    try:
+        args.resolve_once()
+        result[f"tp{tp}"] = "resolved"
+    except Exception as e:
+        result[f"tp{tp}"] = f"{type(e).__name__}: {e}"
+print("RESULT", json.dumps(result))
+"""
+
+
+def _run_live(fault: str, perm) -> tuple[dict, list[str]]:
+    env = cpu_env(1) | {"SGLANG_PLUGINS": "frspec"}
+    out = subprocess.run(
+        [sys.executable, "-c", LIVE_SCRIPT, fault, perm.target, perm.draft, perm.token_map("hot")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    (result,) = [json.loads(line[len("RESULT ") :]) for line in lines if line.startswith("RESULT ")]
+    return result, [line for line in lines if line.startswith("LOG sglang_frspec")]
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        ("renamed method", "LogitsProcessor._get_logits is not defined"),
+        (
+            "changed signature",
+            "VocabParallelEmbedding._get_indices takes classmethod (cls, vocab_size_padded, "
+            "org_vocab_size_padded, vocab_size, org_vocab_size, rank), not classmethod",
+        ),
+    ],
+)
+def test_a_changed_sglang_gets_no_hooks_and_a_token_map_at_tp2_is_refused(perm, fault, expected):
+    result, log = _run_live(fault, perm)
+    assert len(log) == 1, log
+    assert f"does not support SGLang {INSTALLED}: {expected}" in log[0]
+    assert result["hooks"] == [] and result["patched"] == []
+    assert result["resolution"] == ["handle_speculative_decoding"]  # only the refusal
+    assert result["tp1"] == "resolved"  # stock behaviour at TP=1
+    assert result["tp2"].startswith("UnsupportedSetupError: sglang-frspec ")
+    assert log[0].endswith(result["tp2"].split(": ", 1)[1])  # the logged line is the error
+
+
+def test_every_hook_register_installs_is_in_the_contract(perm):
+    """A new hook in plugin.py needs its contract line (else a changed target fails late)."""
+    result, log = _run_live("none", perm)
+    assert log == []
+    assert result["tp2"] == "resolved" and result["hooks"], result
+    hooked = {contract.hook_target(e.target) for e in contract.CONTRACT if isinstance(e, contract.Signature)}
+    assert set(result["hooks"]) <= hooked, set(result["hooks"]) - hooked
+    assert set(result["patched"]) == set(result["hooks"])
+    steps = {e.value for e in contract.CONTRACT if isinstance(e, contract.Contains)}
+    assert set(result["resolution"]) <= steps
+
+
+def test_pyproject_declares_a_range_without_torch_and_constraints_pin_what_is_installed():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    requirements = [Requirement(r) for r in project["project"]["dependencies"]]
+    assert [r.name for r in requirements] == ["sglang"]  # no torch of its own: SGLang pins it
+    (sglang,) = requirements
+    pins = _pins()
+    assert set(pins) == {"sglang", "torch"}
+    assert sglang.specifier.contains(pins["sglang"])
+    major, minor, *_ = pins["sglang"].split(".")
+    assert not sglang.specifier.contains(f"{major}.{int(minor) + 1}.0")  # below the next minor
+    import torch
+
+    assert pins["sglang"] == INSTALLED and torch.__version__.split("+")[0] == pins["torch"]
+    # One source for the version: setuptools reads sglang_frspec.__version__.
+    assert "version" in project["project"]["dynamic"] and "version" not in project["project"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "sglang_frspec.__version__"}
+
+
+def test_readme_compatibility_table_matches_the_check_of_the_installed_release():
+    """CI regenerates the whole table over every release in range; offline, the installed one."""
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"<!-- sglang-compat:begin -->\n(.*?)\n<!-- sglang-compat:end -->", readme, re.DOTALL)
+    assert block, "README.md lacks the compatibility table markers"
+    readme_lines = block.group(1).splitlines()
+    found = contract.problems(contract.SourceSGLang(SITE, INSTALLED))
+    generated = contract.compatibility_table([(INSTALLED, found)], tested=_pins()["sglang"]).splitlines()
+    assert readme_lines[:2] == generated[:2]
+    assert [line for line in readme_lines if line.startswith(f"| {INSTALLED} |")] == generated[2:]
