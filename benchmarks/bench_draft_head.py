@@ -3,7 +3,8 @@
 Variants, all on SGLang's own process groups and classes:
   (a) stock    SGLang's full-vocab vocab-parallel head + LogitsProcessor at TP=N (what TP users
                run today, since a token map crashes);
-  (b) plugin   FrSpecLogitsProcessor for each layout (local, balanced) x exchange (full, topk);
+  (b) plugin   FrSpecLogitsProcessor for each layout (local, balanced) x exchange (full, topk,
+               auto: full or topk per row count, by core.exchange_rule.auto_exchange);
   (c) tp1      the TP=1 FR-Spec head, h @ W[hot].T on one rank (no collective).
 
 Run on one machine (the script starts its own ranks with torch.distributed.run):
@@ -41,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2, help="ranks (ignored under torchrun: WORLD_SIZE)")
     add_head_args(p)
     p.add_argument("--layouts", nargs="+", default=["local", "balanced"])
-    p.add_argument("--exchanges", nargs="+", default=["full", "topk"])
+    p.add_argument("--exchanges", nargs="+", default=["full", "topk", "auto"])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--iters", type=int, default=5, help="steps per timed repeat")
     p.add_argument("--json", help="write the results here as JSON")
@@ -135,10 +136,10 @@ def build_variants(args, dtype, device, world) -> tuple[dict, dict]:
     }
     facts = {
         STOCK: {
-            "bytes_per_row": world * target.num_embeddings_per_partition * itemsize,
+            "bytes_per_row": dict.fromkeys(args.rows, world * target.num_embeddings_per_partition * itemsize),
             "columns": [target.num_embeddings_per_partition] * world,
         },
-        TP1: {"bytes_per_row": 0, "columns": [args.hot]},
+        TP1: {"bytes_per_row": dict.fromkeys(args.rows, 0), "columns": [args.hot]},
     }
     check = same_on_all_ranks(3, args.hidden, dtype, device)
     reference = stock._get_logits(check, target, None, use_logits_buffer=False)[:, hot.to(device)]
@@ -157,12 +158,18 @@ def build_variants(args, dtype, device, world) -> tuple[dict, dict]:
             variants[name] = step
             if exchange == "full":  # the plugin's logits are the stock logits' hot columns
                 torch.testing.assert_close(step(check), reference, rtol=2e-2, atol=2e-2)
-            if processor.exchange == "topk":
-                bytes_per_row = plan.topk_bytes_per_row(args.topk)
-            else:
-                bytes_per_row = plan.gathered_bytes_per_row(itemsize)
+            # What the processor runs at each row count (auto: the rule's pick).
+            picks = {
+                rows: processor.exchange_for_rows(torch.empty(rows, plan.width, dtype=dtype, device=device))
+                for rows in args.rows
+            }
+            bytes_per_row = {
+                "topk": plan.topk_bytes_per_row(args.topk),
+                "full": plan.gathered_bytes_per_row(itemsize),
+            }
             facts[name] = {
-                "bytes_per_row": bytes_per_row,
+                "bytes_per_row": {rows: bytes_per_row[pick] for rows, pick in picks.items()},
+                "picks": picks,
                 "columns": list(plan.counts),
                 "width": plan.width,
                 "imbalance": round(plan.imbalance, 3),
@@ -208,6 +215,7 @@ def report(results: list[dict], facts: dict, args, world: int) -> None:
         print(
             f"  {name:<24} columns per rank {fact['columns']}"
             + (f" width {fact['width']} max/mean {fact['imbalance']}" if "width" in fact else "")
+            + (f" runs {fact['picks']}" if name.endswith("/auto") else "")
         )
     print(
         f"\n{'rows':>4}  {'variant':<24} {'median ms':>10} {'p25-p75 ms':>15} {'vs (a)':>7} "
@@ -274,7 +282,8 @@ def main(argv=None) -> int:
                     "p25_ms": stats["p25"] * 1e3,
                     "p75_ms": stats["p75"] * 1e3,
                     "speedup_vs_stock": stock_median / stats["median"],
-                    "bytes_per_step": facts[name]["bytes_per_row"] * rows,
+                    "bytes_per_step": facts[name]["bytes_per_row"][rows] * rows,
+                    "exchange": facts[name].get("picks", {}).get(rows, ""),
                     "dtype": str(dtype),
                     "tp": world,
                     "device": args.device,

@@ -14,6 +14,11 @@ Each variant is "GEMM + cast to float32"; the ``+topk`` variants add the per-ran
 top-k exchange (top-k, log-sum-exp of the rest) for the rank holding the most hot ids. The
 collective is not timed here (see bench_draft_head.py for whole steps on a real group).
 
+On CUDA with triton, each hot-head variant also times this project's kernels
+(sglang_frspec.kernels): ``triton gemv`` (split-K GEMV + cast), ``packet torch`` / ``packet
+triton`` (the packet alone, on ready logits: head rows 0, no bound), ``triton gemv, packet``
+(GEMV then the packet kernel) and ``triton gemv+packet`` (fused: the logits are never written).
+
 The bound is measured in the same run: an elementwise kernel streaming a large buffer gives the
 bandwidth (bytes read plus written), and each variant's bound is its weight bytes at that
 bandwidth. Weights are cycled through enough copies that the working set exceeds the last-level
@@ -133,12 +138,46 @@ def build_steps(args, hot, tp, rows, dtype, device) -> dict[str, tuple[Callable,
                 lambda i, gemm=gemm, exchange=exchange: exchange.topk_packet(gemm(i), args.topk),
                 num_rows,
             )
+            if kernels is not None:
+                steps.update(kernel_steps(name, weights, hidden, exchange, args.topk, num_rows))
     return steps
 
 
+def kernel_steps(name, weights, hidden, exchange, k, num_rows) -> dict[str, tuple[Callable, int]]:
+    """The Triton kernels' variants of one hot head (CUDA only)."""
+    count, offset = exchange.count, exchange.offset
+    logits = hidden @ weights[0].T
+
+    def weight(i):
+        return weights[i % len(weights)]
+
+    return {
+        f"{name} triton gemv": (lambda i: kernels.hot_head_gemv(hidden, weight(i)).float(), num_rows),
+        f"{name} packet torch": (lambda i: exchange.topk_packet(logits, k), 0),
+        f"{name} packet triton": (lambda i: kernels.topk_packet(logits, count, offset, k), 0),
+        f"{name} triton gemv, packet": (
+            lambda i: kernels.topk_packet(kernels.hot_head_gemv(hidden, weight(i)), count, offset, k),
+            num_rows,
+        ),
+        f"{name} triton gemv+packet": (
+            lambda i: kernels.gemv_topk_packet(hidden, weight(i), count, offset, k),
+            num_rows,
+        ),
+    }
+
+
+kernels = None  # sglang_frspec.kernels on CUDA with triton (main sets it)
+
+
 def main(argv=None) -> int:
+    global kernels
     args = parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda":
+        try:
+            from sglang_frspec import kernels
+        except ImportError:
+            print("triton not importable: timing the torch variants only")
     dtype = head_dtype(args)
     torch.manual_seed(0)
     hot = hot_map(args.map, args.vocab, args.hot)
@@ -150,7 +189,7 @@ def main(argv=None) -> int:
         f"(read+write); {args.repeats} interleaved repeats x {args.iters} steps"
     )
     print(
-        f"\n{'tp':>2} {'rows':>4}  {'variant':<18} {'head rows':>9} {'weight MB':>9} {'median us':>10} "
+        f"\n{'tp':>2} {'rows':>4}  {'variant':<33} {'head rows':>9} {'weight MB':>9} {'median us':>10} "
         f"{'p25-p75 us':>15} {'bound us':>9} {'of bound':>8} {'vs (a)':>7}"
     )
     results = []
@@ -167,7 +206,7 @@ def main(argv=None) -> int:
             for name in names:
                 stats, num_rows = summarize(samples[name]), steps[name][1]
                 weight_bytes = num_rows * args.hidden * dtype.itemsize
-                bound = weight_bytes / bandwidth
+                bound = weight_bytes / bandwidth  # 0 for the packet alone (no weight)
                 result = {
                     "tp": tp,
                     "rows": rows,
@@ -183,7 +222,7 @@ def main(argv=None) -> int:
                 }
                 results.append(result)
                 print(
-                    f"{tp:>2} {rows:>4}  {name:<18} {result['head_rows']:>9} {result['weight_mb']:>9.1f} "
+                    f"{tp:>2} {rows:>4}  {name:<33} {result['head_rows']:>9} {result['weight_mb']:>9.1f} "
                     f"{result['median_us']:>10.1f} {result['p25_us']:>7.1f}-{result['p75_us']:<7.1f} "
                     f"{result['bound_us']:>9.1f} {result['fraction_of_bound']:>7.0%} "
                     f"{result['speedup_vs_stock']:>6.2f}x"

@@ -26,7 +26,15 @@ def test_bench_draft_head_smoke(tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     variants = {r["variant"] for r in data["results"]}
     assert variants == {"(a) stock full vocab", "(c) tp1 fr-spec head", "(b) local/full", "(b) local/topk",
-                        "(b) balanced/full", "(b) balanced/topk"}  # fmt: skip
+                        "(b) local/auto", "(b) balanced/full", "(b) balanced/topk",
+                        "(b) balanced/auto"}  # fmt: skip
+    # auto runs what the rule picks for each row count (on CPU: topk), and gathers its bytes.
+    auto = {r["rows"]: r for r in data["results"] if r["variant"] == "(b) balanced/auto"}
+    topk = {r["rows"]: r for r in data["results"] if r["variant"] == "(b) balanced/topk"}
+    assert {rows: r["exchange"] for rows, r in auto.items()} == {1: "topk", 4: "topk"}
+    assert all(
+        auto[rows]["bytes_per_step"] == topk[rows]["bytes_per_step"] == rows * 2 * 9 * 4 for rows in auto
+    )
     assert data["facts"]["(b) balanced/full"]["columns"] == [350, 350]
     assert sum(data["facts"]["(b) local/full"]["columns"]) == 700
     assert (tmp_path / "r.png").stat().st_size > 10_000

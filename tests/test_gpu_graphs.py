@@ -101,3 +101,46 @@ def test_exchanges_capture_and_replay_exactly_in_bf16(tp, layout):
         top_probs, top_ids = graph_topk.softmax(-1).topk(TOPK)
         torch.testing.assert_close(graph_full.gather(1, top_ids), graph_full.topk(TOPK).values)
         torch.testing.assert_close(top_probs, graph_full.softmax(-1).topk(TOPK).values, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_triton_kernels_capture_and_replay_bit_identically(rows):
+    """The GEMV, the packet and the fused pair in one graph: replays equal eager bit for bit."""
+    kernels = pytest.importorskip("sglang_frspec.kernels")
+    from tests.test_kernels import assert_same_packet, reference_exchange
+
+    gen = torch.Generator().manual_seed(rows)
+    width, count, offset = 4008, 4001, 123
+    weight = (torch.randn(width, HIDDEN, generator=gen) * 0.05).to("cuda", torch.bfloat16)
+    weight[count:] = 0
+    hidden = torch.randn(rows, HIDDEN, generator=gen).to("cuda", torch.bfloat16)
+    static_hidden = hidden.clone()
+
+    def step():
+        logits = kernels.hot_head_gemv(static_hidden, weight)
+        packet = kernels.topk_packet(logits, count, offset, TOPK)
+        return logits, packet, kernels.gemv_topk_packet(static_hidden, weight, count, offset, TOPK)
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    static_hidden.zero_()  # replay must read the static input, not a captured constant
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(captured[0]) == 0
+    static_hidden.copy_(hidden)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, eager):
+            assert torch.equal(got, want)
+    logits, packet, fused = captured
+    assert torch.equal(fused, packet)
+    assert_same_packet(packet, reference_exchange(width, count, offset).topk_packet(logits, TOPK), TOPK)
+    torch.testing.assert_close(logits.float(), hidden.float() @ weight.float().T, rtol=2e-2, atol=2e-2)

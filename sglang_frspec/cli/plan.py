@@ -7,6 +7,7 @@ import json
 import sys
 
 from sglang_frspec.core import LAYOUTS, HotShardPlan, UnsupportedSetupError, plan_hot_shards
+from sglang_frspec.core.exchange_rule import auto_exchange
 from sglang_frspec.core.plan import DEFAULT_VOCAB_PADDING_SIZE
 from sglang_frspec.core.token_map import read_token_map
 
@@ -35,6 +36,12 @@ def add_parser(subparsers) -> None:
         "--dtype-bytes", type=int, default=2, help="bytes per logit on the wire (2 for bf16/fp16, 4 for fp32)"
     )
     p.add_argument("--topk", type=int, default=4, help="k of the top-k exchange (EAGLE topk)")
+    p.add_argument(
+        "--rows", type=int, nargs="+", default=[1, 8, 64], help="batch sizes to show exchange=auto's pick for"
+    )
+    p.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda", help="device type the auto rule assumes"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--plot", metavar="PNG", help="also save a bar chart of the hot ids each rank computes, per layout"
@@ -66,12 +73,18 @@ def make_plans(args: argparse.Namespace) -> list[HotShardPlan]:
     ]
 
 
-def format_table(plan: HotShardPlan, dtype_bytes: int, k: int) -> str:
+def auto_picks(plan: HotShardPlan, args: argparse.Namespace) -> dict[int, str]:
+    """What ``SGLANG_FRSPEC_EXCHANGE=auto`` runs at each of ``args.rows``."""
+    return {rows: auto_exchange(plan, rows, args.topk, args.dtype_bytes, args.device) for rows in args.rows}
+
+
+def format_table(plan: HotShardPlan, dtype_bytes: int, k: int, picks: dict[int, str]) -> str:
     lines = [
         f"layout {plan.layout}: {plan.num_hot} hot ids over {plan.tp_size} rank(s), width "
         f"{plan.width}, max/mean {plan.imbalance:.2f}, gathered per logits row: "
         f"{plan.gathered_bytes_per_row(dtype_bytes):,} B (exchange full), "
-        f"{plan.topk_bytes_per_row(k):,} B (exchange topk, k={k})",
+        f"{plan.topk_bytes_per_row(k):,} B (exchange topk, k={k}); exchange auto runs "
+        + ", ".join(f"{pick} at {rows} row(s)" for rows, pick in picks.items()),
         f"{'rank':>4}  {'vocab range':>19}  {'owned hot':>9}  {'columns':>7}  {'padding':>7}",
     ]
     for r in range(plan.tp_size):
@@ -86,9 +99,12 @@ def format_table(plan: HotShardPlan, dtype_bytes: int, k: int) -> str:
 def run(args: argparse.Namespace) -> int:
     plans = make_plans(args)
     if args.json:
-        print(json.dumps([p.describe(args.dtype_bytes, args.topk) for p in plans], indent=2))
+        described = [
+            {**p.describe(args.dtype_bytes, args.topk), "auto_exchange": auto_picks(p, args)} for p in plans
+        ]
+        print(json.dumps(described, indent=2))
     else:
-        print("\n\n".join(format_table(p, args.dtype_bytes, args.topk) for p in plans))
+        print("\n\n".join(format_table(p, args.dtype_bytes, args.topk, auto_picks(p, args)) for p in plans))
     if args.plot:
         from sglang_frspec.maps import plot_plans
 
