@@ -66,19 +66,23 @@ def build_local_head(
     # Step i exchanges slots [i*C, (i+1)*C) of every rank's owned rows (in hot order). Every
     # rank runs the same number of steps, idle ones included, so no rank waits alone.
     mine = (plan.offsets[rank], plan.offsets[rank] + plan.counts[rank])
+    # One send and one receive buffer for all steps: a backend that keeps a step's tensors
+    # alive until its work object goes (gloo) cannot make steps pile up.
     send = shard_weight.new_empty((rows_per_step, hidden))
+    received = send if plan.tp_size == 1 else send.new_empty((plan.tp_size * rows_per_step, hidden))
+    by_rank = received.view(plan.tp_size, rows_per_step, hidden)
     for first in range(0, owners.width, rows_per_step):
         count = max(0, min(rows_per_step, owners.counts[rank] - first))
         _copy_owned_rows(shard_weight, owners, rank, first, send[:count])
-        received = _gather(send, plan.tp_size, all_gather)  # [tp, C, hidden]
+        if plan.tp_size > 1:
+            all_gather(received, send)
         for source in range(plan.tp_size):
             # Hot positions that source sent in this step, intersected with this rank's slice.
             sent_first = owners.offsets[source] + first
             sent_end = owners.offsets[source] + min(owners.counts[source], first + rows_per_step)
             lo, hi = max(sent_first, mine[0]), min(sent_end, mine[1])
             if lo < hi:
-                out[lo - mine[0] : hi - mine[0]] = received[source, lo - sent_first : hi - sent_first]
-        del received
+                out[lo - mine[0] : hi - mine[0]] = by_rank[source, lo - sent_first : hi - sent_first]
     return out
 
 

@@ -1,0 +1,237 @@
+"""GPU paths CPU tests never ran before (issue: hardening): drafts that keep their own head,
+start-up memory of the hot head, weight updates, the fp32 head and softcapping against SGLang's
+own LogitsProcessor, and argument-time behaviour that now matches stock."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglang_frspec.core import vocab_shard_ranges
+from sglang_frspec.testing.cpu import cpu_env
+from sglang_frspec.testing.tp_group import run_tp_group
+
+CASES = "tests.rank_cases_hardening"
+
+
+def _skewed_map(vocab: int, num_hot: int, seed: int = 0) -> list[int]:
+    """BPE-like skew: frequent tokens concentrate at low ids (most hot ids on rank 0)."""
+    weights = 1.0 / (torch.arange(vocab, dtype=torch.float64) + 50.0)
+    return torch.multinomial(
+        weights, num_hot, replacement=False, generator=torch.Generator().manual_seed(seed)
+    ).tolist()
+
+
+# ---------------------------------------------------------------- 2. start-up memory
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_building_the_hot_head_stays_within_its_memory_budget(tp):
+    """Peak extra memory of building (and refreshing) the head <= the head + one chunk, under a
+    skewed map at TP 2/4/8 (the old one-shot exchange held tp x max-owned rows at once), and the
+    head holds exactly the reference rows."""
+    vocab, hidden, num_hot, chunk = 128256, 256, 32768, 2 << 20
+    hot = _skewed_map(vocab, num_hot)
+    payload = {"vocab": vocab, "hidden": hidden, "map": hot, "chunk_bytes": chunk}
+    results = run_tp_group(f"{CASES}:head_build_memory", tp, payload, timeout=600)
+    owned = [sum(s <= i < e for i in hot) for s, e in vocab_shard_ranges(vocab, tp)]
+    assert max(owned) > 1.5 * num_hot / tp  # the map is skewed: the case the budget is about
+    slack = 256 << 10  # the plan's masks over the hot ids (a few bytes per hot id)
+    for r, result in enumerate(results):
+        assert [result[layout]["owned"] for layout in ("local", "balanced")] == [owned[r]] * 2
+        for layout in ("local", "balanced"):
+            got = result[layout]
+            assert got["exact"], (r, layout)
+            assert got["build"] <= got["head_bytes"] + chunk + slack, (r, layout, got)
+            assert got["refresh"] <= chunk + slack, (r, layout, got)
+
+
+# ---------------------------------------------------------------- 3. weight updates
+@pytest.mark.multirank
+def test_weight_updates_refresh_once_per_completed_update_on_every_rank():
+    vocab, hidden = 5003, 32
+    payload = {"vocab": vocab, "hidden": hidden, "map": _skewed_map(vocab, 700)}
+    results = run_tp_group(f"{CASES}:weight_update_refresh", 2, payload, timeout=300)
+    expected = {
+        # The flush is refused on rank 0 only: its update reports failure, yet weights changed;
+        # both ranks refresh together (no rank left alone in the balanced layout's collective).
+        "disk_flush_refused_on_rank0": (1, True),
+        "p2p_before_end": (0, False),  # written directly: not refreshed until the session ends
+        "p2p_end": (1, True),
+        "tensor_chunks_before_end": (0, False),  # never once per chunk
+        "tensor_chunks_end": (1, True),
+        "distributed_chunks_before_end": (0, False),
+        "distributed_chunks_end": (1, True),
+        "ipc": (1, True),
+        "end_without_session": (0, True),
+    }
+    for rank, result in enumerate(results):
+        got = {case: (r["refreshes"], r["fresh"]) for case, r in result.items()}
+        assert got == expected, rank
+    assert [r["disk_flush_refused_on_rank0"]["success"] for r in results] == [False, True]
+
+
+# ---------------------------------------------------------------- 4. fp32 head, softcap, scale
+@pytest.mark.multirank
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_draft_logits_equal_sglangs_logits_processor(dtype):
+    """Every config branch of the head computation, against SGLang's LogitsProcessor over the
+    full target head (its hot columns), on the same inputs: full exchange bit-identical, top-k
+    exchange with the identical top-k values and ids."""
+    vocab, hidden, topk = 5003, 48, 4
+    variants = {
+        "plain": {},
+        "fp32_head": {"config": {"enable_lm_head_fp32": True}},
+        "fp32_output": {"config": {"enable_lm_head_output_fp32": True}},
+        "logit_scale": {"logit_scale": 0.37},
+        "softcap": {"config": {"final_logit_softcapping": 3.0}},
+        "softcap_fp32_head": {"config": {"final_logit_softcapping": 3.0, "enable_lm_head_fp32": True}},
+    }
+    payload = {"vocab": vocab, "hidden": hidden, "dtype": dtype, "rows": 5, "scale": 1.5, "topk": topk,
+               "map": _skewed_map(vocab, 600), "variants": variants}  # fmt: skip
+    results = run_tp_group(f"{CASES}:logits_vs_stock", 2, payload, timeout=300)
+    for name in variants:
+        stock = results[0][name]["stock"]
+        assert stock.dtype == torch.float32
+        if "softcap" in name:
+            assert stock.abs().max() < 3.0 and stock.abs().max() > 2.0  # the cap really bites
+        for layout in ("local", "balanced"):
+            assert torch.equal(results[0][name][layout, "full"], stock), (name, layout)
+            assert torch.equal(results[1][name][layout, "full"], stock), (name, layout)
+            got = results[0][name][layout, "topk"]
+            want_values, want_ids = stock.topk(topk, dim=1)
+            got_values, got_ids = got.topk(topk, dim=1)
+            assert torch.equal(got_values, want_values) and torch.equal(got_ids, want_ids), (name, layout)
+            torch.testing.assert_close(
+                torch.softmax(got, 1).gather(1, got_ids), torch.softmax(stock, 1).gather(1, want_ids),
+                rtol=1e-5, atol=1e-7,
+            )  # fmt: skip
+
+
+# ---------------------------------------------------------------- 1. drafts that keep their head
+@pytest.mark.multirank
+def test_processor_refuses_a_head_that_is_not_the_hot_head():
+    payload = {"vocab": 5003, "hidden": 32, "map": _skewed_map(5003, 700)}
+    for message in run_tp_group(f"{CASES}:head_guard", 2, payload, timeout=300):
+        assert "passed an LM head of shape (2528, 32)" in message
+        assert "not this rank's hot head (350 rows)" in message
+
+
+KEEPS_OWN_HEAD_DRAFT = '''
+from sglang.srt.models.llama_eagle import LlamaForCausalLMEagle
+
+
+class KeepsOwnHeadLlamaEagle(LlamaForCausalLMEagle):
+    """Like step3p5_mtp: set_embed_and_head keeps the draft's own (full-vocab) head."""
+
+    def set_embed_and_head(self, embed, head):
+        return
+
+
+def register():
+    from sglang.srt.models.registry import ModelRegistry
+
+    ModelRegistry.models["KeepsOwnHeadLlamaEagle"] = KeepsOwnHeadLlamaEagle
+'''
+
+
+@pytest.mark.server
+def test_draft_that_keeps_its_own_head_fails_on_every_rank(perm, start_server, tmp_path):
+    """A draft whose set_embed_and_head ignores the hot head (stock would crash or, at TP=1,
+    silently read columns 0..H-1): every rank fails at start-up naming the draft class."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "keeps_own_head_draft.py").write_text(KEEPS_OWN_HEAD_DRAFT)
+    dist = site / "keeps_own_head_draft-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: keeps-own-head-draft\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\nkeepsown = keeps_own_head_draft:register\n")
+    draft = tmp_path / "keeps-own-head-eagle"
+    shutil.copytree(perm.draft, draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps(config | {"architectures": ["KeepsOwnHeadLlamaEagle"]}))
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    base = cpu_env(2)
+    env["SGLANG_PLUGINS"] = base["SGLANG_PLUGINS"] + ",keepsown"
+    server = start_server(perm, 2, perm.token_map("hot"), wait=False, env=env,
+                          extra=("--speculative-draft-model-path", str(draft)))  # fmt: skip
+    assert server.wait_exit(300) != 0
+    log = server.log_path.read_text()
+    message = (
+        "the draft model KeepsOwnHeadLlamaEagle keeps its own LM head (lm_head) after set_embed_and_head()"
+    )
+    for rank in (0, 1):
+        assert f"TP{rank}] Scheduler hit an exception" in log, rank
+    assert message in log
+
+
+# ---------------------------------------------------------------- 5/6. argument time
+RESOLVE = """
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="LOG %(message)s")
+from sglang.srt.plugins import load_plugins
+load_plugins()  # as the launcher does: this plugin (SGLANG_PLUGINS) registers and applies its hooks
+from sglang.srt.server_args import ServerArgs
+args = ServerArgs(**json.loads(sys.argv[1]))
+try:
+    args.resolve_once()
+    print("RESOLVED", args.speculative_algorithm)
+except Exception as e:
+    print("ERROR", type(e).__name__, e)
+"""
+
+
+def _resolve(perm, token_map: str, **kwargs) -> tuple[str, str]:
+    """Run SGLang's real argument resolution (with this plugin registered) in a child process."""
+    fields = {"model_path": perm.target, "device": "cpu", "tp_size": 2, "speculative_token_map": token_map}
+    fields |= kwargs
+    out = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(fields)], env=cpu_env(2),
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1], out.stderr
+
+
+def test_map_without_an_algorithm_is_ignored_as_in_stock(perm):
+    result, log = _resolve(perm, perm.token_map("hot"))
+    assert result == "RESOLVED None"
+    assert "LOG --speculative-token-map is ignored without --speculative-algorithm." in log
+
+
+def test_map_with_frozen_kv_mtp_is_ignored_as_in_stock(perm):
+    result, log = _resolve(perm, perm.token_map("hot"), speculative_algorithm="FROZEN_KV_MTP",
+                           speculative_draft_model_path=perm.draft)  # fmt: skip
+    assert result == "RESOLVED FROZEN_KV_MTP"
+    assert "LOG --speculative-token-map is ignored for FROZEN_KV_MTP" in log
+
+
+def test_rejection_sampling_with_a_map_fails_at_argument_time(perm, tmp_path):
+    """Even a map holding the whole vocab (which passes upstream's after-load guard)."""
+    whole_vocab = tmp_path / "whole.pt"
+    torch.save(torch.arange(perm.vocab_size), whole_vocab)
+    for token_map in (perm.token_map("hot"), str(whole_vocab)):
+        result, _ = _resolve(perm, token_map, speculative_algorithm="EAGLE",
+                             speculative_draft_model_path=perm.draft, speculative_use_rejection_sampling=True,
+                             speculative_eagle_topk=1, speculative_num_steps=2,
+                             speculative_num_draft_tokens=3)  # fmt: skip
+        assert result.startswith("ERROR UnsupportedSetupError --speculative-token-map cannot be combined "
+                                 "with --speculative-use-rejection-sampling"), result  # fmt: skip
+
+
+def test_pd_node_warns_when_the_map_file_is_not_sorted(perm, tmp_path):
+    unsorted = tmp_path / "unsorted.pt"
+    ids = torch.load(perm.token_map("hot"))
+    torch.save(ids.flip(0), unsorted)
+    eagle = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": perm.draft,
+             "disaggregation_mode": "prefill"}  # fmt: skip
+    warning = "is not sorted and unique: sglang-frspec uses the sorted hot order"
+    result, log = _resolve(perm, str(unsorted), **eagle)
+    assert result == "RESOLVED EAGLE" and warning in log
+    sorted_map = tmp_path / "sorted.pt"
+    torch.save(ids.unique(sorted=True), sorted_map)
+    result, log = _resolve(perm, str(sorted_map), **eagle)
+    assert result == "RESOLVED EAGLE" and warning not in log
