@@ -125,8 +125,10 @@ class _Runner:
         self.weight_updater = self
 
     def _load(self, version: int, rows: slice = slice(None)):
-        start = self.weight_start
-        new = self.full_by_version[version][start : start + self.weight.shape[0]]
+        """Write rows of this rank's shard of checkpoint ``version`` (padding rows stay zero)."""
+        new = torch.zeros_like(self.weight)
+        real = self.full_by_version[version][self.weight_start : self.weight_start + self.weight.shape[0]]
+        new[: real.shape[0]] = real
         self.weight[rows] = new[rows]
 
     def update_weights_from_disk(self, model_path, load_format, recapture_cuda_graph=False):
@@ -233,6 +235,7 @@ def weight_update_refresh(payload: dict) -> dict:
     out = {}
 
     def record(case: str, version: int, result=None):
+        """Refreshes since the last record, and whether the head holds the rows of ``version``."""
         out[case] = {
             "refreshes": len(refreshes),
             "fresh": torch.equal(state.local_head, expected_head(version)),
@@ -248,7 +251,7 @@ def weight_update_refresh(payload: dict) -> dict:
     # P2P/RDMA: weights written directly between begin and end.
     manager.begin_weight_update(BeginWeightUpdateReqInput())
     runner._load(2)
-    record("p2p_before_end", 1)
+    record("p2p_before_end", 1)  # still the previous weights
     result = manager.end_weight_update(EndWeightUpdateReqInput())
     record("p2p_end", 2, result)
     # Chunked tensor update: three chunks of rows, one session.
@@ -259,7 +262,7 @@ def weight_update_refresh(payload: dict) -> dict:
         manager.update_weights_from_tensor(
             UpdateWeightsFromTensorReqInput(serialized_named_tensors=(3, rows), flush_cache=False)
         )
-    record("tensor_chunks_before_end", 1)
+    record("tensor_chunks_before_end", 2)  # still the previous weights
     result = manager.end_weight_update(EndWeightUpdateReqInput())
     record("tensor_chunks_end", 3, result)
     # Distributed update in two chunks.
@@ -271,7 +274,7 @@ def weight_update_refresh(payload: dict) -> dict:
                 names=(4, rows), dtypes=[], shapes=[], group_name="g", flush_cache=False
             )
         )
-    record("distributed_chunks_before_end", 1)
+    record("distributed_chunks_before_end", 3)
     result = manager.end_weight_update(EndWeightUpdateReqInput())
     record("distributed_chunks_end", 4, result)
     # IPC (checkpoint engine): one call is one update.

@@ -57,15 +57,16 @@ def test_weight_updates_refresh_once_per_completed_update_on_every_rank():
     vocab, hidden = 5003, 32
     payload = {"vocab": vocab, "hidden": hidden, "map": _skewed_map(vocab, 700)}
     results = run_tp_group(f"{CASES}:weight_update_refresh", 2, payload, timeout=300)
+    # (refreshes, head == hot rows of the weights it should hold at that point)
     expected = {
         # The flush is refused on rank 0 only: its update reports failure, yet weights changed;
         # both ranks refresh together (no rank left alone in the balanced layout's collective).
         "disk_flush_refused_on_rank0": (1, True),
-        "p2p_before_end": (0, False),  # written directly: not refreshed until the session ends
+        "p2p_before_end": (0, True),  # written directly: still the previous rows until the end
         "p2p_end": (1, True),
-        "tensor_chunks_before_end": (0, False),  # never once per chunk
+        "tensor_chunks_before_end": (0, True),  # never once per chunk
         "tensor_chunks_end": (1, True),
-        "distributed_chunks_before_end": (0, False),
+        "distributed_chunks_before_end": (0, True),
         "distributed_chunks_end": (1, True),
         "ipc": (1, True),
         "end_without_session": (0, True),
@@ -89,8 +90,8 @@ def test_draft_logits_equal_sglangs_logits_processor(dtype):
         "fp32_head": {"config": {"enable_lm_head_fp32": True}},
         "fp32_output": {"config": {"enable_lm_head_output_fp32": True}},
         "logit_scale": {"logit_scale": 0.37},
-        "softcap": {"config": {"final_logit_softcapping": 3.0}},
-        "softcap_fp32_head": {"config": {"final_logit_softcapping": 3.0, "enable_lm_head_fp32": True}},
+        "softcap": {"config": {"final_logit_softcapping": 20.0}},
+        "softcap_fp32_head": {"config": {"final_logit_softcapping": 20.0, "enable_lm_head_fp32": True}},
     }
     payload = {"vocab": vocab, "hidden": hidden, "dtype": dtype, "rows": 5, "scale": 1.5, "topk": topk,
                "map": _skewed_map(vocab, 600), "variants": variants}  # fmt: skip
@@ -98,8 +99,8 @@ def test_draft_logits_equal_sglangs_logits_processor(dtype):
     for name in variants:
         stock = results[0][name]["stock"]
         assert stock.dtype == torch.float32
-        if "softcap" in name:
-            assert stock.abs().max() < 3.0 and stock.abs().max() > 2.0  # the cap really bites
+        if "softcap" in name:  # the cap really bites, without saturating into ties
+            assert stock.abs().max() < 20.0 and (stock - results[0]["plain"]["stock"]).abs().max() > 0.5
         for layout in ("local", "balanced"):
             assert torch.equal(results[0][name][layout, "full"], stock), (name, layout)
             assert torch.equal(results[1][name][layout, "full"], stock), (name, layout)
