@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from sglang.srt.layers.amx_utils import PackWeightMethod
 from sglang.srt.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     UnquantizedEmbeddingMethod,
@@ -62,16 +63,10 @@ def find_head_module(target_model: torch.nn.Module, head: torch.Tensor) -> Vocab
 
 def check_head_supported(module: VocabParallelEmbedding) -> None:
     """Reject heads whose rows cannot be sliced (quantized, packed, GGUF)."""
-    if not isinstance(module.quant_method, UnquantizedEmbeddingMethod):
-        raise UnsupportedSetupError(
-            f"the target LM head is quantized ({type(module.quant_method).__name__}); FR-Spec "
-            "slices head rows, which would drop the quantization scales. Serve an "
-            "unquantized lm_head (choose a --quantization / checkpoint that keeps lm_head in "
-            "bf16/fp16), or drop --speculative-token-map."
-        )
     weight = getattr(module, "weight", None)  # quantized heads keep e.g. `qweight` instead
+    # On an AMX CPU SGLang swaps a bf16/fp16 head's method to PackWeightMethod: packed, not quantized.
     if (
-        weight is None
+        isinstance(module.quant_method, PackWeightMethod)
         or getattr(weight, "is_gguf_weight_type", False)
         or getattr(module, "use_intel_amx_backend", False)
     ):
@@ -79,6 +74,18 @@ def check_head_supported(module: VocabParallelEmbedding) -> None:
             "the target LM head weight is packed (GGUF or CPU AMX/VNNI layout), so its rows "
             "cannot be sliced. Use a safetensors checkpoint (not --load-format gguf) or drop "
             "--speculative-token-map."
+        )
+    if not isinstance(module.quant_method, UnquantizedEmbeddingMethod):
+        raise UnsupportedSetupError(
+            f"the target LM head is quantized ({type(module.quant_method).__name__}); FR-Spec "
+            "slices head rows, which would drop the quantization scales. Serve an "
+            "unquantized lm_head (choose a --quantization / checkpoint that keeps lm_head in "
+            "bf16/fp16), or drop --speculative-token-map."
+        )
+    if weight is None:
+        raise UnsupportedSetupError(
+            f"the target LM head ({type(module).__name__}) has no 'weight' tensor, so its rows "
+            "cannot be sliced. Serve it without --speculative-token-map."
         )
     if weight.dtype not in _SLICEABLE_DTYPES or weight.dim() != 2:
         raise UnsupportedSetupError(
