@@ -7,7 +7,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,7 +15,15 @@ import torch
 from sglang_frspec.testing.cpu import cpu_env
 
 pytestmark = pytest.mark.server
-EXIT_TIMEOUT = 240  # seconds a failing start-up may take before we call it a hang
+# Argument-time failures exit from the launcher before any scheduler starts or model loads:
+# the time is Python start-up plus importing SGLang. Measured 29-32 s on the 2-core machine at
+# a load average of 13-17 (several engineers' tests at once); CI runs one server at a time.
+# The bound is about 2x that worst case (a hang or a model load would exceed it).
+ARGUMENT_TIME_EXIT = 60
+# A failure found once the draft is loaded (schedulers spawned, both models loaded, then every
+# rank raises and the launcher exits): measured 82 s at the same load; about 2x again.
+AFTER_LOAD_EXIT = 180
+LOAD_WEIGHTS = "Load weight begin"  # SGLang's log line when a model starts loading (shown present below)
 
 BAD_MAPS = {
     "missing": (None, "no such file"),
@@ -45,12 +52,10 @@ def _write_map(tmp_path, case):
 @pytest.mark.parametrize("case", sorted(BAD_MAPS))
 def test_bad_map_fails_fast_before_device_work(perm, start_server, tmp_path, case):
     server = start_server(perm, 2, _write_map(tmp_path, case), wait=False)
-    started = time.monotonic()
-    assert server.wait_exit(EXIT_TIMEOUT) != 0
-    log = server.log_path.read_text()
+    assert server.wait_exit(ARGUMENT_TIME_EXIT) != 0
+    log = server.log()
     assert BAD_MAPS[case][1] in log and f"{case}.pt" in log
-    assert "Load weight begin" not in log  # rejected at argument time: no model was loaded
-    assert time.monotonic() - started < EXIT_TIMEOUT
+    assert LOAD_WEIGHTS not in log  # rejected at argument time: no model was loaded
 
 
 @pytest.mark.parametrize(
@@ -64,16 +69,16 @@ def test_bad_map_fails_fast_before_device_work(perm, start_server, tmp_path, cas
 )
 def test_unsupported_combinations_are_rejected_at_argument_time(perm, start_server, extra, message):
     server = start_server(perm, 2, perm.token_map("hot"), extra=tuple(extra), wait=False)
-    assert server.wait_exit(EXIT_TIMEOUT) != 0
-    log = server.log_path.read_text()
-    assert message in log and "Load weight begin" not in log
+    assert server.wait_exit(ARGUMENT_TIME_EXIT) != 0
+    log = server.log()
+    assert message in log and LOAD_WEIGHTS not in log
 
 
 def test_rejection_sampling_keeps_upstreams_guard(perm, start_server):
     topk1 = ("--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
     server = start_server(perm, 2, perm.token_map("hot"), wait=False,
                           extra=("--speculative-use-rejection-sampling", *topk1))  # fmt: skip
-    assert server.wait_exit(EXIT_TIMEOUT) != 0
+    assert server.wait_exit(AFTER_LOAD_EXIT) != 0
     assert "--speculative-use-rejection-sampling requires the draft and target to share one vocab" in (
         server.log_path.read_text()
     )
@@ -87,10 +92,12 @@ def test_tied_draft_fails_on_every_rank(perm, start_server, tmp_path):
     (draft / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
     server = start_server(perm, 2, perm.token_map("hot"), wait=False,
                           extra=("--speculative-draft-model-path", str(draft)))  # fmt: skip
-    assert server.wait_exit(EXIT_TIMEOUT) != 0
-    log = server.log_path.read_text()
+    assert server.wait_exit(AFTER_LOAD_EXIT) != 0
+    log = server.log()
     assert "ties its LM head to its input embeddings (tie_word_embeddings" in log
-    assert "TP0] Scheduler hit an exception" in log or "TP1] Scheduler hit an exception" in log
+    assert "TP0] Scheduler hit an exception" in log and "TP1] Scheduler hit an exception" in log
+    # Positive control for the argument-time tests: a start-up that loaded models logs this.
+    assert LOAD_WEIGHTS in log
 
 
 def test_hook_guard_rejects_tp_maps_when_hooks_are_not_active(perm):
@@ -142,7 +149,23 @@ with get_parallel().override(tp_rank=0, tp_size=1):
     )
 
 
+def _expected_accept_length(new_tokens: int, drafts_accepted: bool) -> float:
+    """Accept length of one greedy request on the permutation fixture, from first principles.
+
+    The prefill gives the first token; each verify step then gives steps + 1 = 3 tokens when
+    every draft is right (a chain in the hot set), or 1 when none is (a cold chain: the drafts
+    are hot ids, the target's next token is cold). SGLang reports completion tokens / verify steps.
+    """
+    per_step = 3 if drafts_accepted else 1
+    return new_tokens / -(-(new_tokens - 1) // per_step)
+
+
 def test_32_concurrent_mixed_requests_match_plain_decoding(perm, start_server):
+    """Per request: plain greedy's tokens, and the accept length of the same request at TP=1 and
+    of the first-principles count. Batches differ between runs (32 concurrent requests), but on
+    this fixture every greedy and draft choice has a margin of several logits, far above any
+    batch-shape rounding, so each request's drafts, hence its accept length, depend on that
+    request alone."""
     gen = torch.Generator().manual_seed(7)
     prompts = []
     for i in range(32):
@@ -152,25 +175,28 @@ def test_32_concurrent_mixed_requests_match_plain_decoding(perm, start_server):
             start = (i * 13) % 200
             prompts.append(list(perm.chain[start : start + 3 + i]))
     new_tokens = [8 + (i * 7) % 41 for i in range(32)]
+    hot = set(torch.load(perm.token_map("hot")).tolist())
 
-    def run_all(server):
+    def run_all(server) -> tuple[list, list]:
         with ThreadPoolExecutor(32) as pool:
             futures = [pool.submit(server.generate, p, n) for p, n in zip(prompts, new_tokens)]
-            return [f.result() for f in futures]
+            outs = [f.result() for f in futures]
+        return [o["output_ids"] for o in outs], [o["meta_info"].get("spec_accept_length") for o in outs]
 
     plain = start_server(perm, 2, eagle=False)
-    expected = [out["output_ids"] for out in run_all(plain)]
+    expected, _ = run_all(plain)
     plain.stop()
-    speculative = start_server(perm, 2, perm.token_map("hot"))
-    outs = run_all(speculative)
-    assert [out["output_ids"] for out in outs] == expected
     assert [len(e) for e in expected] == new_tokens  # nothing dropped or cut short
-    accept = [out["meta_info"]["spec_accept_length"] for out in outs]
-    on_chain = [a for i, a in enumerate(accept) if i % 3 != 2]
-    off_chain = [a for i, a in enumerate(accept) if i % 3 == 2]
-    # Drafts on the chain are all accepted (short outputs end on a partial step).
-    assert sum(on_chain) / len(on_chain) > 2.7
-    assert sum(off_chain) / len(off_chain) < 2.0
+    accept = {}
+    for tp in (2, 1):
+        server = start_server(perm, tp, perm.token_map("hot"))
+        outputs, accept[tp] = run_all(server)
+        assert outputs == expected, tp
+        server.stop()
+    assert accept[2] == accept[1]
+    # The fixture's chains stay in (or out of) the hot set, so the prompt's last token decides.
+    assert accept[2] == [_expected_accept_length(n, p[-1] in hot) for p, n in zip(prompts, new_tokens)]
+    assert {p[-1] in hot for p in prompts} == {True, False}  # both kinds of request are present
 
 
 def _permuted_target(perm, tmp_path):
