@@ -19,7 +19,8 @@ def assert_plugin_active(server, num_hot: int, tp: int, layout: str = "balanced"
 
 
 def num_hot(token_map: str) -> int:
-    return len(set(torch.load(token_map).tolist()))
+    """Distinct ids in a map file (a tensor or FR-Spec's Python list)."""
+    return len(set(torch.as_tensor(torch.load(token_map)).tolist()))
 
 
 def generate_chains(server, chain, starts=(0, 17, 33)) -> list[float]:
