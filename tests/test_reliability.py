@@ -74,14 +74,15 @@ def test_unsupported_combinations_are_rejected_at_argument_time(perm, start_serv
     assert message in log and LOAD_WEIGHTS not in log
 
 
-def test_rejection_sampling_keeps_upstreams_guard(perm, start_server):
+def test_rejection_sampling_with_a_map_fails_at_argument_time(perm, start_server):
+    """Upstream refuses a map only after the weights load (and lets a whole-vocab map through)."""
     topk1 = ("--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
     server = start_server(perm, 2, perm.token_map("hot"), wait=False,
                           extra=("--speculative-use-rejection-sampling", *topk1))  # fmt: skip
-    assert server.wait_exit(AFTER_LOAD_EXIT) != 0
-    assert "--speculative-use-rejection-sampling requires the draft and target to share one vocab" in (
-        server.log_path.read_text()
-    )
+    assert server.wait_exit(ARGUMENT_TIME_EXIT) != 0
+    log = server.log_path.read_text()
+    assert "--speculative-token-map cannot be combined with --speculative-use-rejection-sampling" in log
+    assert LOAD_WEIGHTS not in log
 
 
 def test_tied_draft_fails_on_every_rank(perm, start_server, tmp_path):
