@@ -156,7 +156,7 @@ def test_draft_that_keeps_its_own_head_fails_on_every_rank(perm, start_server, t
     }
     server = start_server(perm, 2, perm.token_map("hot"), wait=False, env=env,
                           extra=("--speculative-draft-model-path", str(draft)))  # fmt: skip
-    assert server.wait_exit(300) != 0
+    assert server.wait_exit(180) != 0  # found after the weights load, as the tied draft
     log = server.log_path.read_text()
     assert (
         "the draft model KeepsOwnHeadLlamaEagle keeps its own LM head (lm_head) after set_embed_and_head()"
