@@ -78,13 +78,18 @@ def auto_picks(plan: HotShardPlan, args: argparse.Namespace) -> dict[int, str]:
     return {rows: auto_exchange(plan, rows, args.topk, args.dtype_bytes, args.device) for rows in args.rows}
 
 
-def format_table(plan: HotShardPlan, dtype_bytes: int, k: int, picks: dict[int, str]) -> str:
+def format_table(plan: HotShardPlan, dtype_bytes: int, k: int, picks: dict[int, str] | None = None) -> str:
+    """The per-rank table of a plan; ``picks`` (rows -> exchange) adds what ``auto`` runs."""
+    auto = (
+        "; exchange auto runs " + ", ".join(f"{p} at {rows} row(s)" for rows, p in picks.items())
+        if picks
+        else ""
+    )
     lines = [
         f"layout {plan.layout}: {plan.num_hot} hot ids over {plan.tp_size} rank(s), width "
         f"{plan.width}, max/mean {plan.imbalance:.2f}, gathered per logits row: "
         f"{plan.gathered_bytes_per_row(dtype_bytes):,} B (exchange full), "
-        f"{plan.topk_bytes_per_row(k):,} B (exchange topk, k={k}); exchange auto runs "
-        + ", ".join(f"{pick} at {rows} row(s)" for rows, pick in picks.items()),
+        f"{plan.topk_bytes_per_row(k):,} B (exchange topk, k={k})" + auto,
         f"{'rank':>4}  {'vocab range':>19}  {'owned hot':>9}  {'columns':>7}  {'padding':>7}",
     ]
     for r in range(plan.tp_size):
