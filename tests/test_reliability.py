@@ -96,7 +96,10 @@ def test_tied_draft_fails_on_every_rank(perm, start_server, tmp_path):
     assert server.wait_exit(AFTER_LOAD_EXIT) != 0
     log = server.log()
     assert "ties its LM head to its input embeddings (tie_word_embeddings" in log
-    assert "TP0] Scheduler hit an exception" in log and "TP1] Scheduler hit an exception" in log
+    # The prefix is raised only after every rank joined the agreement with its own check, and
+    # then by every rank alike. Which schedulers' tracebacks reach the log is a race (SGLang
+    # kills the tree at the first scheduler's SIGQUIT), so the log cannot show each rank's.
+    assert "[sglang-frspec, TP rank 0 of 2] the draft model ties its LM head" in log
     # Positive control for the argument-time tests: a start-up that loaded models logs this.
     assert LOAD_WEIGHTS in log
 
