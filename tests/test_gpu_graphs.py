@@ -31,6 +31,19 @@ class EmulatedGather:
         out.copy_(torch.cat(parts))
 
 
+def _capture(step):
+    """Warm ``step`` up on a side stream, as CUDA graph capture requires, then capture it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
+
+
 def _skewed_hot_ids(gen: torch.Generator) -> torch.Tensor:
     low = torch.randperm(VOCAB // 4, generator=gen)[: NUM_HOT * 3 // 4]
     high = VOCAB // 4 + torch.randperm(VOCAB * 3 // 4, generator=gen)[: NUM_HOT - low.numel()]
@@ -72,14 +85,7 @@ def test_exchanges_capture_and_replay_exactly_in_bf16(tp, layout):
             return exchanges[rank].full(local, gather).float(), exchanges[rank].topk(local, TOPK, gather)
 
         eager_full, eager_topk = step()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph_full, graph_topk = step()
+        graph, (graph_full, graph_topk) = _capture(step)
         static_hidden.zero_()  # replay must read the static input, not a captured constant
         graph.replay()
         torch.cuda.synchronize()
@@ -119,14 +125,7 @@ def test_triton_kernels_capture_and_replay_bit_identically(rows):
         return logits, packet, kernels.gemv_topk_packet(static_hidden, weight, count, offset, TOPK)
 
     eager = step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = _capture(step)
     static_hidden.zero_()  # replay must read the static input, not a captured constant
     graph.replay()
     torch.cuda.synchronize()
