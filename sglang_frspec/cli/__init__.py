@@ -10,10 +10,10 @@ import argparse
 import sys
 
 from sglang_frspec import __version__
-from sglang_frspec.cli import build_map, demo, inspect_map, plan
+from sglang_frspec.cli import build_map, demo, inspect_map, plan, size
 from sglang_frspec.core import TokenMapError, UnsupportedSetupError
 
-SUBCOMMANDS = [build_map, inspect_map, plan, demo]
+SUBCOMMANDS = [build_map, inspect_map, plan, size, demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

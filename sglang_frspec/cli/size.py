@@ -1,0 +1,164 @@
+"""``sglang-frspec size``: coverage and modelled speed of each map size, and the one to use."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from sglang_frspec.cli.plan import vocab_size_of
+from sglang_frspec.core import LAYOUTS
+from sglang_frspec.core.plan import DEFAULT_VOCAB_PADDING_SIZE
+from sglang_frspec.maps import TokenCounts
+from sglang_frspec.maps.errors import MapBuildError
+from sglang_frspec.maps.sizing import (
+    DEFAULT_HEAD_SHARE,
+    HeadCostModel,
+    SizeEstimate,
+    as_dicts,
+    calibrated_cost_model,
+    estimate_sizes,
+    recommend,
+)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "size",
+        help="coverage curve, head cost and modelled speed-up per map size; recommends one",
+        description="For each map size N (the N most frequent ids of a counts file from build-map or "
+        "from serving with SGLANG_FRSPEC_COUNTS): the share of counted tokens it covers, the draft-head "
+        "rows and bytes on the slowest rank (from the TP plan), and a modelled accept length and "
+        "speed-up over EAGLE without a map. The model (see docs/token-maps.md): per-token acceptance "
+        "scales with coverage; the head's share of a speculative step (--head-share) shrinks with the "
+        "plan's width. The size with the best modelled speed-up is recommended.",
+    )
+    p.add_argument("--counts", required=True, metavar="FILE", help="counts file (build-map or serving)")
+    vocab = p.add_mutually_exclusive_group(required=True)
+    vocab.add_argument("--vocab-size", type=int, help="target vocab size (config.vocab_size)")
+    vocab.add_argument("--model-path", help="read the vocab size from this model's config.json")
+    p.add_argument("--hidden", type=int, required=True, help="hidden size of the draft head")
+    p.add_argument("--tp", type=int, required=True, help="size of the group sharding the target head")
+    p.add_argument("--layout", choices=LAYOUTS, default="balanced")
+    p.add_argument("--sizes", type=int, nargs="+", help="sizes to compare (default: powers of two and V)")
+    p.add_argument(
+        "--accept-length",
+        type=float,
+        default=3.0,
+        help="spec_accept_length measured without a map (default 3.0: replace with yours)",
+    )
+    p.add_argument(
+        "--draft-steps", type=int, default=3, help="--speculative-num-steps of that measurement (default 3)"
+    )
+    p.add_argument(
+        "--head-share",
+        type=float,
+        default=DEFAULT_HEAD_SHARE,
+        help=f"share of a speculative step spent in the draft LM head without a map (default "
+        f"{DEFAULT_HEAD_SHARE}: FR-Spec's 1.12x for Llama-3-8B at 32k ids)",
+    )
+    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per head weight (2 for bf16/fp16)")
+    p.add_argument(
+        "--calibration",
+        metavar="JSON",
+        help="bench_head_gemm.py --json output: fit head time as fixed + per-row cost at this --tp",
+    )
+    p.add_argument(
+        "--padding-size",
+        type=int,
+        default=DEFAULT_VOCAB_PADDING_SIZE,
+        help="vocab padding unit of the target head (SGLang default: 64)",
+    )
+    p.add_argument("--plot", metavar="PNG", help="save coverage and modelled speed-up against size")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=run)
+
+
+def default_sizes(id_space: int) -> list[int]:
+    """Powers of two from 1/64 of the id space, and the whole id space (a map of every id)."""
+    sizes, n = {id_space}, 1 << max(0, (id_space // 64).bit_length() - 1)
+    while n < id_space:
+        sizes.add(n)
+        n *= 2
+    return sorted(sizes)
+
+
+def format_report(estimates: list[SizeEstimate], best: SizeEstimate, header: str) -> str:
+    lines = [
+        header,
+        f"{'size':>8} {'coverage':>9} {'columns':>8} {'head MiB':>9} {'head cost':>9} {'step time':>9} "
+        f"{'accept':>6} {'speed-up':>8}",
+    ]
+    for e in estimates:
+        mark = "  <- recommended" if e is best else ""
+        lines.append(
+            f"{e.size:>8} {e.coverage:>8.2%} {e.columns:>8} {e.head_mib:>9.2f} {e.head_cost:>9.3f} "
+            f"{e.step_time:>9.3f} {e.accept_length:>6.2f} {e.speedup:>7.3f}x{mark}"
+        )
+    lines.append(
+        f"recommended: {best.size} ids: covers {best.coverage:.2%} of the counted tokens (loses "
+        f"{1 - best.coverage:.2%}), head {1 - best.head_cost:.1%} cheaper on the slowest rank, speculative "
+        f"step {1 - best.step_time:.1%} shorter, modelled speed-up {best.speedup:.3f}x over no map"
+    )
+    return "\n".join(lines)
+
+
+def plot(estimates: list[SizeEstimate], best: SizeEstimate, path: str) -> None:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise MapBuildError("--plot needs matplotlib: pip install matplotlib") from e
+    figure = Figure(figsize=(7.5, 4.5), layout="constrained")
+    axes = figure.subplots()
+    sizes = [e.size for e in estimates]
+    axes.plot(sizes, [e.coverage for e in estimates], "-o", label="coverage of counted tokens")
+    axes.plot(
+        sizes, [e.head_cost for e in estimates], "-s", label="draft-head cost (slowest rank, vs no map)"
+    )
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("map size (hot ids)")
+    axes.set_ylabel("fraction")
+    speed = axes.twinx()
+    speed.plot(sizes, [e.speedup for e in estimates], "-^", color="tab:green", label="modelled speed-up")
+    speed.set_ylabel("modelled speed-up over no map")
+    axes.axvline(best.size, color="grey", linestyle="--", linewidth=1)
+    handles = axes.get_legend_handles_labels()[0] + speed.get_legend_handles_labels()[0]
+    axes.legend(handles=handles, fontsize=8, loc="center right")
+    axes.set_title(f"recommended: {best.size} ids", fontsize=10)
+    figure.savefig(path, dpi=120)
+
+
+def run(args: argparse.Namespace) -> int:
+    counts = TokenCounts.load(args.counts)
+    vocab_size = args.vocab_size if args.vocab_size is not None else vocab_size_of(args.model_path)
+    cost_model = calibrated_cost_model(args.calibration, args.tp) if args.calibration else HeadCostModel()
+    estimates = estimate_sizes(
+        counts.counts,
+        vocab_size,
+        args.hidden,
+        args.tp,
+        args.sizes or default_sizes(counts.id_space),
+        accept_length=args.accept_length,
+        draft_steps=args.draft_steps,
+        layout=args.layout,
+        dtype_bytes=args.dtype_bytes,
+        head_share=args.head_share,
+        cost_model=cost_model,
+        padding_size=args.padding_size,
+    )
+    best = recommend(estimates)
+    if args.plot:
+        plot(estimates, best, args.plot)
+    if args.json:
+        print(
+            json.dumps(
+                {"recommended": best.size, "cost_model": cost_model.source, "sizes": as_dicts(estimates)}
+            )
+        )
+        return 0
+    header = (
+        f"counts {args.counts}: {counts.num_tokens:,} tokens; vocab {vocab_size}, hidden {args.hidden}, "
+        f"tp {args.tp} ({args.layout}); no-map accept length {args.accept_length} over {args.draft_steps} "
+        f"steps; head share {args.head_share}; head cost: {cost_model.source}"
+    )
+    print(format_report(estimates, best, header))
+    return 0
