@@ -65,9 +65,11 @@ def rebuild_token_map(
     if tokenizer_path or (needs_tokenizer and counts.tokenizer):
         tokenizer_path = tokenizer_path or counts.tokenizer
         tokenizer = load_tokenizer(tokenizer_path)
-        if token_id_space(tokenizer) != counts.id_space:
+        space = token_id_space(tokenizer)
+        # Counts of a server's outputs span the model's vocab, which may be padded past the tokenizer's.
+        if space > counts.id_space or (space < counts.id_space and counts.server is None):
             raise MapBuildError(
-                f"tokenizer {tokenizer_path!r}: has {token_id_space(tokenizer)} ids, but the counts "
+                f"tokenizer {tokenizer_path!r}: has {space} ids, but the counts "
                 f"were made with a tokenizer of {counts.id_space} ids ({counts.tokenizer!r})."
             )
         forced += eos_token_ids(tokenizer, tokenizer_path)

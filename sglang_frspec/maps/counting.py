@@ -34,6 +34,9 @@ class TokenCounts:
     eos_token_ids: tuple[int, ...]
     corpus: tuple[str, ...]
     text_field: str
+    # Set for counts of a server's outputs (build-map --from-server): the server, the generation
+    # settings and which prompts are counted; see maps.server_counts.
+    server: dict | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +67,7 @@ class TokenCounts:
                 "eos_token_ids": list(self.eos_token_ids),
                 "corpus": list(self.corpus),
                 "text_field": self.text_field,
+                "server": self.server,
             },
             path,
         )
@@ -91,6 +95,7 @@ class TokenCounts:
             eos_token_ids=tuple(saved["eos_token_ids"]),
             corpus=tuple(saved["corpus"]),
             text_field=saved["text_field"],
+            server=saved.get("server"),  # absent from corpus counts saved before it existed
         )
 
 
