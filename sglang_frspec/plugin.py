@@ -25,10 +25,16 @@ def register() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_frspec.adapters import args, worker
+    from sglang_frspec.adapters import args, coverage, worker
 
     HookRegistry.register(args.TOKEN_MAP_HOOK, worker.around_init_token_map, HookType.AROUND)
     HookRegistry.register(args.LM_HEAD_HOOK, worker.around_init_lm_head, HookType.AROUND)
+    # Hot coverage of the committed tokens (adapters/coverage.py); registered after the AROUND
+    # hook, so it wraps it and sees the hot head installed.
+    HookRegistry.register(args.LM_HEAD_HOOK, coverage.install_after_init_lm_head, HookType.AFTER)
+    HookRegistry.register(coverage.VERIFY_HOOK, coverage.count_after_verify, HookType.AFTER)
+    HookRegistry.register(coverage.REPORT_HOOK, coverage.report_after_decode_stats, HookType.AFTER)
+    HookRegistry.register(coverage.SHUTDOWN_HOOK, coverage.flush_after_release, HookType.AFTER)
     for target in COMPLETE_UPDATE_HOOKS:
         HookRegistry.register(target, worker.refresh_after_complete_update, HookType.AFTER)
     HookRegistry.register(SESSION_END_HOOK, worker.refresh_after_session_end, HookType.AFTER)

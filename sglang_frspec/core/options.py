@@ -1,8 +1,10 @@
-"""Layout and exchange selection, shared by the Python API and SGLang's spawned schedulers.
+"""Plugin options, shared by the Python API and SGLang's spawned schedulers.
 
 Schedulers are fresh processes, so the choice travels in environment variables:
-``SGLANG_FRSPEC_LAYOUT`` (local | balanced) and ``SGLANG_FRSPEC_EXCHANGE`` (full | topk | auto:
-per batch size, by ``core.exchange_rule.auto_exchange``).
+``SGLANG_FRSPEC_LAYOUT`` (local | balanced), ``SGLANG_FRSPEC_EXCHANGE`` (full | topk | auto:
+per batch size, by ``core.exchange_rule.auto_exchange``), ``SGLANG_FRSPEC_COVERAGE`` (1 | 0:
+count how many committed tokens the map holds, see ``core.coverage``) and ``SGLANG_FRSPEC_COUNTS``
+(a file for the per-id counts of the committed tokens; unset: no file).
 """
 
 from __future__ import annotations
@@ -16,16 +18,21 @@ from sglang_frspec.core.plan import LAYOUTS
 
 LAYOUT_ENV = "SGLANG_FRSPEC_LAYOUT"
 EXCHANGE_ENV = "SGLANG_FRSPEC_EXCHANGE"
+COVERAGE_ENV = "SGLANG_FRSPEC_COVERAGE"
+COUNTS_ENV = "SGLANG_FRSPEC_COUNTS"
 DEFAULT_LAYOUT = "balanced"
 DEFAULT_EXCHANGE = "full"
+_SWITCH_VALUES = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 
 
 @dataclass(frozen=True)
 class FrSpecOptions:
-    """How the hot head is laid out over the ranks and how its logits are exchanged."""
+    """How the hot head is laid out and exchanged, and what is measured while serving."""
 
     layout: str = DEFAULT_LAYOUT
     exchange: str = DEFAULT_EXCHANGE
+    coverage: bool = True
+    counts_path: str | None = None
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -38,19 +45,53 @@ class FrSpecOptions:
                 f"unknown exchange {self.exchange!r} (from {EXCHANGE_ENV} or the API); "
                 f"choose one of: {', '.join(EXCHANGE_CHOICES)}"
             )
+        if self.counts_path is not None:
+            if not self.coverage:
+                raise UnsupportedSetupError(
+                    f"{COUNTS_ENV}={self.counts_path} needs the coverage count, which "
+                    f"{COVERAGE_ENV}=0 turns off; unset one of the two."
+                )
+            folder = os.path.dirname(os.path.abspath(self.counts_path))
+            if not os.path.isdir(folder):
+                raise UnsupportedSetupError(
+                    f"{COUNTS_ENV}={self.counts_path}: the folder {folder} does not exist; create it "
+                    "or choose another path for the counts file."
+                )
 
     @classmethod
     def from_env(cls) -> FrSpecOptions:
+        switch = os.environ.get(COVERAGE_ENV, "1").strip().lower()
+        if switch not in _SWITCH_VALUES:
+            raise UnsupportedSetupError(
+                f"{COVERAGE_ENV}={switch!r}: use 1 (count the committed tokens the map holds) or 0 (off)"
+            )
         return cls(
             layout=os.environ.get(LAYOUT_ENV, DEFAULT_LAYOUT).strip().lower(),
             exchange=os.environ.get(EXCHANGE_ENV, DEFAULT_EXCHANGE).strip().lower(),
+            coverage=_SWITCH_VALUES[switch],
+            counts_path=os.environ.get(COUNTS_ENV, "").strip() or None,
         )
 
 
-def set_options(layout: str | None = None, exchange: str | None = None) -> FrSpecOptions:
-    """Choose the layout/exchange for engines and servers started later from this process."""
+def set_options(
+    layout: str | None = None,
+    exchange: str | None = None,
+    coverage: bool | None = None,
+    counts_path: str | None = None,
+) -> FrSpecOptions:
+    """Choose the options for engines and servers started later from this process (None keeps
+    the current value; the layout and exchange are always written, the others only when given)."""
     current = FrSpecOptions.from_env()
-    chosen = FrSpecOptions(layout=layout or current.layout, exchange=exchange or current.exchange)
+    chosen = FrSpecOptions(
+        layout=layout or current.layout,
+        exchange=exchange or current.exchange,
+        coverage=current.coverage if coverage is None else coverage,
+        counts_path=counts_path or current.counts_path,
+    )
     os.environ[LAYOUT_ENV] = chosen.layout
     os.environ[EXCHANGE_ENV] = chosen.exchange
+    if coverage is not None:
+        os.environ[COVERAGE_ENV] = "1" if chosen.coverage else "0"
+    if counts_path is not None:
+        os.environ[COUNTS_ENV] = chosen.counts_path
     return chosen

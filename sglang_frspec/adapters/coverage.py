@@ -1,0 +1,167 @@
+"""Seam 5: how many of the tokens the target commits the token map holds, while serving.
+
+Four hooks, all outside captured CUDA graphs:
+
+1. AFTER ``EagleDraftWorker.init_lm_head``: with the plugin's hot head installed and coverage on
+   (``SGLANG_FRSPEC_COVERAGE``, default 1), every rank gets a ``CommittedTokenCounts`` over the
+   canonical hot ids (the same on every rank).
+2. AFTER ``EAGLEWorkerV2.verify``: the verify output holds, on every TP rank, each request's
+   accepted draft tokens and bonus token (``next_token_ids`` viewed ``[bs, stride]``, the first
+   ``accept_lens[i]`` of row i, the accepted path already at the front for topk > 1); they are
+   counted on the device. The first token after a prefill is not: no speculative step made it.
+3. AFTER ``SchedulerMetricsReporter.report_decode_stats``: at SGLang's decode-log interval the
+   ranks that log (TP rank 0), export metrics or write the counts file start a host copy of the
+   totals; once it has landed (a later step on CUDA, at once on CPU) they log a line after
+   SGLang's ``Decode batch`` line, add to the Prometheus counters and write the counts file.
+   That copy is the only host transfer, and it never waits for the device.
+4. AFTER ``Scheduler.release_host_resources`` (graceful shutdown only): every rank logs its final
+   totals and TP rank 0 writes the counts file once more.
+
+"Committed" means what verify accepts on the device: at a request's last step it includes the
+tokens past its stop (max_new_tokens or a stop token) that SGLang then drops, and with the
+overlap scheduler (GPU) one more step of a request that has just finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from sglang.srt.runtime_context import get_parallel, get_serving
+
+from sglang_frspec.core.coverage import CommittedTokenCounts, CoverageTotals, PendingSnapshot
+
+logger = logging.getLogger(__name__)
+
+VERIFY_HOOK = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify"
+REPORT_HOOK = (
+    "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
+)
+SHUTDOWN_HOOK = "sglang.srt.managers.scheduler.Scheduler.release_host_resources"
+
+COMMITTED_METRIC = "sglang:frspec_committed_tokens_total"
+IN_MAP_METRIC = "sglang:frspec_committed_in_map_tokens_total"
+COUNTS_CORPUS = "tokens committed by an SGLang server (sglang-frspec SGLANG_FRSPEC_COUNTS)"
+
+
+@dataclass
+class HotCoverage:
+    """A scheduler rank's coverage state: the device counts and what was last reported."""
+
+    counts: CommittedTokenCounts
+    counts_path: str | None
+    pending: PendingSnapshot | None = None
+    exported: CoverageTotals = field(default_factory=lambda: CoverageTotals(0, 0))
+    prometheus: tuple | None = None  # the (committed, in map) counter children, once created
+
+
+def install_after_init_lm_head(result, worker):
+    """AFTER hook: counters for a draft worker that got the plugin's hot head (coverage on)."""
+    head = getattr(worker, "frspec_head", None)
+    if head is not None and head.options.coverage:
+        worker.frspec_coverage = HotCoverage(
+            CommittedTokenCounts(worker.hot_token_id, head.shard.vocab_size), head.options.counts_path
+        )
+    return result
+
+
+def count_after_verify(result, worker, batch, *args, **kwargs):
+    """AFTER hook on ``EAGLEWorkerV2.verify``: add this step's committed tokens (device only)."""
+    coverage = getattr(worker._draft_worker, "frspec_coverage", None)
+    if coverage is not None and result.accept_lens is not None and not batch.forward_mode.is_idle():
+        stride = result.speculative_output_stride or result.speculative_num_draft_tokens
+        coverage.counts.add(result.next_token_ids, result.accept_lens, stride)
+    return result
+
+
+def _coverage_of(scheduler) -> HotCoverage | None:
+    spec_worker = scheduler.draft_worker  # EAGLEWorkerV2 (or None without speculative decoding)
+    return getattr(getattr(spec_worker, "_draft_worker", None), "frspec_coverage", None)
+
+
+def _writes_counts(coverage: HotCoverage) -> bool:
+    return coverage.counts_path is not None and get_parallel().tp_rank == 0
+
+
+def _exports_metrics(reporter) -> bool:
+    return reporter.current_scheduler_metrics_enabled and reporter.metrics_collector is not None
+
+
+def report_after_decode_stats(result, reporter, *args, **kwargs):
+    """AFTER hook: start a host copy at each decode-log interval; publish it once it has landed."""
+    coverage = _coverage_of(reporter.scheduler)
+    if coverage is None:
+        return result
+    if (
+        coverage.pending is None
+        and reporter.forward_ct_decode % reporter.decode_log_interval == 0
+        and (reporter.is_stats_logging_rank or _exports_metrics(reporter) or _writes_counts(coverage))
+    ):
+        coverage.pending = coverage.counts.snapshot(with_counts=_writes_counts(coverage))
+    if coverage.pending is not None and coverage.pending.ready():
+        totals, coverage.pending = coverage.pending.result(), None
+        if _writes_counts(coverage):
+            write_counts(totals, coverage.counts_path, reporter.scheduler)
+        if _exports_metrics(reporter):
+            _export(coverage, totals, reporter.metrics_collector)
+        if reporter.is_stats_logging_rank:
+            logger.info("sglang-frspec: %s", totals.describe())
+    return result
+
+
+def flush_after_release(result, scheduler, *args, **kwargs):
+    """AFTER hook on the graceful-shutdown path: final totals on every rank, the counts file."""
+    coverage = _coverage_of(scheduler)
+    if coverage is None:
+        return result
+    totals = coverage.counts.snapshot(with_counts=_writes_counts(coverage)).result()
+    if _writes_counts(coverage):
+        write_counts(totals, coverage.counts_path, scheduler)
+    parallel = get_parallel()
+    logger.info(
+        "sglang-frspec: at shutdown, TP rank %d of %d: %s",
+        parallel.tp_rank,
+        parallel.tp_size,
+        totals.describe(),
+    )
+    return result
+
+
+def _export(coverage: HotCoverage, totals: CoverageTotals, collector) -> None:
+    """Add what was committed since the last export to the Prometheus counters."""
+    if coverage.prometheus is None:
+        # SGLang creates its scheduler metrics the same way (multiprocess mode: the server's
+        # /metrics sums every process's files); its stat-logger classes may replace Counter.
+        from prometheus_client import Counter as PrometheusCounter
+
+        counter_class = collector._counter_cls or PrometheusCounter
+        labels = collector.labels
+        coverage.prometheus = tuple(
+            counter_class(name=name, documentation=doc, labelnames=list(labels)).labels(**labels)
+            for name, doc in (
+                (COMMITTED_METRIC, "Tokens committed by speculative verify steps (sglang-frspec)."),
+                (IN_MAP_METRIC, "Committed tokens that the token map holds (sglang-frspec)."),
+            )
+        )
+    committed, in_map = coverage.prometheus
+    committed.inc(totals.committed - coverage.exported.committed)
+    in_map.inc(totals.in_map - coverage.exported.in_map)
+    coverage.exported = CoverageTotals(totals.committed, totals.in_map)
+
+
+def write_counts(totals: CoverageTotals, path: str, scheduler) -> None:
+    """Save the per-id counts as a ``build-map`` counts file: written beside, then renamed over."""
+    from sglang_frspec.maps.counting import TokenCounts
+
+    eos = scheduler.model_config.hf_eos_token_id or ()
+    partial = f"{path}.partial"
+    TokenCounts(
+        counts=totals.counts,
+        num_documents=0,  # serving counts are not split by request
+        tokenizer=get_serving().tokenizer_path,
+        eos_token_ids=tuple(sorted(eos)),
+        corpus=(COUNTS_CORPUS,),
+        text_field="",
+    ).save(partial)
+    os.replace(partial, path)  # a reader (or a crash) never sees half a file
