@@ -225,22 +225,24 @@ def test_resume_sends_only_the_prompts_not_counted(perm, start_server, tmp_path,
 
 @pytest.mark.server
 def test_ctrl_c_saves_the_counts_and_the_rerun_resumes(perm, start_server, tmp_path, capsys):
-    server = start_server(perm, 1, eagle=False)
+    server = start_server(perm, 1, eagle=False, extra=("--enable-metrics",))
     starts = list(range(0, 100, 10))
     prompts = write_prompts(tmp_path / "prompts.txt", perm, starts)
     map_path, counts_file = tmp_path / "map.pt", tmp_path / "map.pt.counts.pt"
     argv = build_map(
         "--from-server", server.url, "--prompts", str(prompts), "--size", "8", "-o", str(map_path)
     )
+    # No periodic save (--save-every > prompts): a counts file can only come from the Ctrl-C.
     process = subprocess.Popen(
-        [sys.executable, "-m", "sglang_frspec", *argv, "--concurrency", "1", "--save-every", "1"],
+        [sys.executable, "-m", "sglang_frspec", *argv, "--concurrency", "1", "--save-every", "1000"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         deadline = time.monotonic() + 120
-        while not counts_file.exists():  # written (whole, by rename) after the first answer
+        # One request in flight at a time: the second one arrives after the first answer did.
+        while generate_requests(server) < 2:
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()
             time.sleep(0.05)
         server.suspend()  # no more answers: the interrupt lands mid-run
