@@ -10,6 +10,9 @@ CPU (default): a permutation fixture with a Llama-3-size vocab (128256) whose hi
 (``--hidden``, default 1024) makes the LM head dominate the draft step as it does in real
 models; every draft token is acceptable, so accept length is the same for every configuration.
     python benchmarks/bench_server.py
+Coverage overhead (``--coverage-off``): every plugin configuration also runs with
+SGLANG_FRSPEC_COVERAGE=0, and the tokens/s of coverage on over off is reported per round:
+    python benchmarks/bench_server.py --hidden 128 --configs balanced/full --coverage-off --rounds 10
 GPU:
     python benchmarks/bench_server.py --device cuda --tp 8 --model-path M \\
         --draft-model-path D --token-map freq_32768.pt
@@ -34,6 +37,7 @@ from sglang_frspec.testing.fixtures import LLAMA3_VOCAB, perm_fixture  # noqa: E
 from sglang_frspec.testing.server import SGLangServer  # noqa: E402
 
 STOCK = "stock EAGLE, no map"
+COVERAGE_OFF = ", coverage off"
 TEXT_PROMPTS = ["The capital of France is", "def quicksort(xs):", "In 1905, Einstein", "Dear team,"]
 
 
@@ -51,6 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="+",
         default=["balanced/full", "local/full"],
         help="plugin layout/exchange pairs to compare with stock",
+    )
+    p.add_argument(
+        "--coverage-off",
+        action="store_true",
+        help="also run each plugin config with SGLANG_FRSPEC_COVERAGE=0 (the hot-coverage count off) "
+        "and report the tokens/s ratio of coverage on over off",
     )
     p.add_argument("--requests", type=int, default=4, help="concurrent requests per batch")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -128,6 +138,12 @@ def main(argv=None) -> int:
             env,
             True,
         )
+        if args.coverage_off:
+            configs[f"map + plugin {config}{COVERAGE_OFF}"] = (
+                eagle_args(args.draft_model_path, args.token_map, **spec),
+                env | {"SGLANG_FRSPEC_COVERAGE": "0"},
+                True,
+            )
     servers = {}
     try:
         for i, (name, (extra, options, plugin)) in enumerate(configs.items()):
@@ -166,6 +182,12 @@ def main(argv=None) -> int:
                 "outputs_equal_stock": all(s["outputs"] == reference for s in runs),
             }
         )
+        if name.endswith(COVERAGE_OFF):
+            # Paired per round (both ran in the same round), so slow drifts of the machine cancel.
+            on = samples[name.removesuffix(COVERAGE_OFF)]
+            ratios = summarize([a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(on, runs)])
+            results[-1] |= {"coverage_on_over_off": ratios["median"], "ratio_p25": ratios["p25"],
+                            "ratio_p75": ratios["p75"]}  # fmt: skip
     model = args.model_path
     if fixture is not None:
         model = f"permutation fixture (V={LLAMA3_VOCAB}, hidden {args.hidden}, H={args.hot})"
@@ -174,16 +196,23 @@ def main(argv=None) -> int:
         f"requests x {args.max_new_tokens} tokens, {args.rounds} interleaved rounds; logs {log_dir}"
     )
     print(
-        f"{'config':<34} {'tokens/s':>9} {'p25-p75':>13} {'vs stock':>8} {'accept':>6} {'ms/step':>8} "
+        f"{'config':<42} {'tokens/s':>9} {'p25-p75':>13} {'vs stock':>8} {'accept':>6} {'ms/step':>8} "
         f"{'same out':>8}"
     )
     for r in results:
         step = f"{r['step_ms']:.1f}" if r["step_ms"] is not None else "-"
         print(
-            f"{r['config']:<34} {r['tokens_per_s']:>9.1f} {r['tps_p25']:>6.1f}-{r['tps_p75']:<6.1f} "
+            f"{r['config']:<42} {r['tokens_per_s']:>9.1f} {r['tps_p25']:>6.1f}-{r['tps_p75']:<6.1f} "
             f"{r['speedup_vs_stock']:>7.2f}x {r['accept_length']:>6.2f} {step:>8} "
             f"{'yes' if r['outputs_equal_stock'] else 'NO':>8}"
         )
+    for r in results:
+        if "coverage_on_over_off" in r:
+            print(
+                f"{r['config'].removesuffix(COVERAGE_OFF)}: tokens/s with coverage on / off = "
+                f"{r['coverage_on_over_off']:.4f} (p25-p75 {r['ratio_p25']:.4f}-{r['ratio_p75']:.4f} over "
+                f"{args.rounds} paired rounds; overhead {1 - r['coverage_on_over_off']:+.2%})"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     return 0 if all(r["outputs_equal_stock"] for r in results) else 1
