@@ -71,7 +71,9 @@ def run_chain_pair(server, chain) -> list[tuple]:
     ]
 
 
-@pytest.mark.parametrize(("map_name", "tp"), [("hot", 1), ("hot_half", 1), ("hot_half", 2)])
+# TP=2 against stock TP=1 with partial acceptance runs on a real distribution (both exchanges) in
+# tests/test_trained.py::test_tp2_plugin_matches_stock_tp1_on_a_real_distribution.
+@pytest.mark.parametrize(("map_name", "tp"), [("hot", 1), ("hot_half", 1)])
 def test_plugin_matches_stock_tp1(perm, start_server, map_name, tp):
     """Same tokens, accept lengths and verify steps as stock SGLang at TP=1, for a map covering
     the chain (full acceptance) and one covering half of it (partial acceptance)."""

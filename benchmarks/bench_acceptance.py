@@ -1,0 +1,269 @@
+"""Acceptance and speed on a model trained on real text: no map vs maps of each size, side by side.
+
+The trained fixture (``sglang_frspec.testing.trained``: a 32k-vocab BPE Llama trained on the
+Python standard library's code, and an EAGLE draft trained on its hidden states) is served by real
+CPU SGLang servers. Prompts are held-out code (the training domain) and held-out prose from the
+language reference (another domain). For each TP size every configuration runs as its own server:
+plain greedy decoding, EAGLE without a map, EAGLE + each map (this plugin; balanced/full) and, at
+TP > 1, the other layouts and exchanges on one map. Timed batches are interleaved round-robin
+across the servers alive at a time (the two references stay alive throughout; the others come in
+groups of ``--alive``), idle ones suspended; ratios use the references' samples from the same rounds.
+
+Reports per configuration and domain: accept length, tokens/s, ratio to EAGLE without a map and to
+plain decoding, and whether the outputs equal plain greedy decoding at that TP (tie-aware: a
+difference is allowed only at a top-2 near-tie of the target, see sglang_frspec.testing.greedy).
+    python benchmarks/bench_acceptance.py --json docs/results/acceptance.json --plot docs/acceptance.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import summarize  # noqa: E402
+
+from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
+from sglang_frspec.testing.greedy import compare_greedy  # noqa: E402
+from sglang_frspec.testing.server import SGLangServer  # noqa: E402
+from sglang_frspec.testing.trained import MAP_SIZES, PROSE_MAP_SIZE, trained_fixture  # noqa: E402
+
+PLAIN, NO_MAP = "plain greedy", "EAGLE, no map"
+DOMAINS = ("code", "prose")
+
+
+@dataclass
+class Config:
+    name: str
+    tp: int
+    eagle: bool = True
+    token_map: str | None = None  # a map name of the fixture
+    layout: str = "balanced"
+    exchange: str = "full"
+    samples: dict = field(default_factory=lambda: {d: [] for d in DOMAINS})
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    maps = [f"code_{n}" for n in MAP_SIZES] + [f"prose_{PROSE_MAP_SIZE}"]
+    p.add_argument("--maps", nargs="+", default=maps, help=f"fixture maps to compare (default {maps})")
+    p.add_argument("--layout-map", default=f"code_{MAP_SIZES[1]}", help="map for the layout/exchange rows")
+    p.add_argument(
+        "--layouts",
+        nargs="*",
+        default=["local/full", "balanced/topk", "local/topk"],
+        help="other layout/exchange pairs at TP > 1 (balanced/full is every map's row)",
+    )
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts per domain (one batch)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timed batches per config and domain")
+    p.add_argument("--alive", type=int, default=3, help="map configurations alive at once")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--topk", type=int, default=1)
+    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--log-dir", help="keep server logs here")
+    p.add_argument("--json", help="write the results here as JSON")
+    p.add_argument("--plot", help="write accept length and speed against map size here (.png)")
+    return p.parse_args(argv)
+
+
+def configs_for(tp: int, args: argparse.Namespace) -> list[Config]:
+    configs = [Config(PLAIN, tp, eagle=False), Config(NO_MAP, tp)]
+    configs += [Config(f"map {m}", tp, token_map=m) for m in args.maps]
+    if tp > 1:
+        for pair in args.layouts:
+            layout, exchange = pair.split("/")
+            configs.append(
+                Config(f"map {args.layout_map} {pair}", tp, True, args.layout_map, layout, exchange)
+            )
+    return configs
+
+
+def start(config: Config, fixture, args, log_dir: Path) -> SGLangServer:
+    cli = ["--model-path", fixture.target, "--tp-size", str(config.tp), *CPU_SERVER_ARGS]
+    if config.eagle:
+        token_map = fixture.token_map(config.token_map) if config.token_map else None
+        cli += eagle_args(
+            fixture.draft, token_map, steps=args.steps, topk=args.topk, draft_tokens=args.draft_tokens
+        )
+    options = {"SGLANG_FRSPEC_LAYOUT": config.layout, "SGLANG_FRSPEC_EXCHANGE": config.exchange}
+    env = cpu_env(config.tp, with_plugin=True, base=os.environ | options)
+    name = f"tp{config.tp}-{config.name.replace(' ', '_').replace('/', '-')}.log"
+    print(f"starting tp={config.tp} {config.name} ...", flush=True)
+    return SGLangServer(cli, env, log_dir / name).start().wait_ready()
+
+
+def timed_batch(server: SGLangServer, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+    begin = time.perf_counter()
+    outs = server.post("/generate", {"input_ids": prompts, "sampling_params": params})
+    seconds = time.perf_counter() - begin
+    accept = [o["meta_info"].get("spec_accept_length") or 1.0 for o in outs]
+    return {
+        "outputs": [o["output_ids"] for o in outs],
+        "tokens_per_s": sum(len(o["output_ids"]) for o in outs) / seconds,
+        "accept_length": sum(accept) / len(accept),
+    }
+
+
+def measure(group: list[Config], servers: dict, prompts: dict, args) -> None:
+    """Interleaved rounds over the servers of ``group``; each round times every domain's batch."""
+    for name in servers:
+        servers[name].suspend()
+    for round_ in range(args.rounds + 1):  # round 0 warms up and is not kept
+        order = group[round_ % len(group) :] + group[: round_ % len(group)]
+        for config in order:
+            server = servers[config.name]
+            server.resume()
+            for domain in DOMAINS:
+                sample = timed_batch(server, prompts[domain], args.max_new_tokens)
+                if round_:
+                    sample["group"] = tuple(c.name for c in group)
+                    config.samples[domain].append(sample)
+            server.suspend()
+
+
+def greedy_match(target: str, prompts: list, got: list, expected: list) -> str:
+    """``yes``, ``ties N`` (equal but for N near-tie flips of the target) or ``NO``."""
+    try:
+        ties = compare_greedy(target, prompts, got, expected)
+    except AssertionError:
+        return "NO"
+    return f"ties {len(ties)}" if ties else "yes"
+
+
+def run_tp(tp: int, fixture, args, log_dir: Path, prompts: dict) -> list[Config]:
+    configs = configs_for(tp, args)
+    references, others = configs[:2], configs[2:]
+    servers = {c.name: start(c, fixture, args, log_dir) for c in references}
+    try:
+        for i in range(0, len(others), args.alive):
+            group = others[i : i + args.alive]
+            try:
+                for config in group:
+                    servers[config.name] = start(config, fixture, args, log_dir)
+                measure(references + group, servers, prompts, args)
+            finally:
+                for config in group:
+                    servers.pop(config.name).stop()
+    finally:
+        for server in servers.values():
+            server.stop()
+    return configs
+
+
+def summarize_tp(configs: list[Config], fixture, prompts: dict) -> list[dict]:
+    by_name = {c.name: c for c in configs}
+    rows = []
+    for config in configs:
+        for domain in DOMAINS:
+            samples = config.samples[domain]
+            ratios = {}
+            for ref in (PLAIN, NO_MAP):
+                # The reference's samples from the same interleaved rounds as this config's.
+                ref_tps = [
+                    s["tokens_per_s"]
+                    for s in by_name[ref].samples[domain]
+                    if s["group"] == samples[0]["group"]
+                ]
+                ratios[ref] = (
+                    summarize([s["tokens_per_s"] for s in samples])["median"] / summarize(ref_tps)["median"]
+                )
+            plain = by_name[PLAIN].samples[domain][0]["outputs"]
+            rows.append(
+                {
+                    "tp": config.tp,
+                    "config": config.name,
+                    "map": config.token_map,
+                    "layout": f"{config.layout}/{config.exchange}" if config.token_map else None,
+                    "domain": domain,
+                    "accept_length": samples[0]["accept_length"],
+                    "tokens_per_s": summarize([s["tokens_per_s"] for s in samples])["median"],
+                    "vs_no_map": ratios[NO_MAP],
+                    "vs_plain": ratios[PLAIN],
+                    "same_accept_every_round": len({s["accept_length"] for s in samples}) == 1,
+                    "equals_plain_greedy": greedy_match(
+                        fixture.target, prompts[domain], samples[0]["outputs"], plain
+                    ),
+                }
+            )
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 4))
+    accept_axes, speed_axes = figure.subplots(1, 2)
+    for tp in sorted({r["tp"] for r in rows}):
+        for domain, style in zip(DOMAINS, ("-o", "--s")):
+            points = sorted(
+                (int(r["map"].split("_")[1]), r)
+                for r in rows
+                if r["tp"] == tp and r["domain"] == domain and r["map"] and r["map"].startswith("code_")
+                and r["layout"] == "balanced/full"
+            )  # fmt: skip
+            sizes = [s for s, _ in points]
+            label = f"TP={tp} {domain} prompts"
+            accept_axes.plot(sizes, [r["accept_length"] for _, r in points], style, label=label)
+            speed_axes.plot(sizes, [r["vs_no_map"] for _, r in points], style, label=label)
+            no_map = next(
+                r for r in rows if r["tp"] == tp and r["domain"] == domain and r["config"] == NO_MAP
+            )
+            accept_axes.axhline(no_map["accept_length"], color="grey", linewidth=0.5)
+    for axes, ylabel in ((accept_axes, "accept length"), (speed_axes, "tokens/s vs EAGLE without a map")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("map size (hot ids, from the training code)")
+        axes.set_ylabel(ylabel)
+        axes.grid(True, alpha=0.3)
+    accept_axes.legend(fontsize=8)
+    accept_axes.set_title("grey lines: EAGLE without a map", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    fixture = trained_fixture()
+    report = fixture.report
+    prompts = {d: fixture.prompts(d)[: args.prompts] for d in DOMAINS}
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sglang-frspec-acceptance-"))
+    rows: list[dict] = []
+    for tp in args.tp:
+        rows += summarize_tp(run_tp(tp, fixture, args, log_dir, prompts), fixture, prompts)
+    fixture_line = (
+        f"trained fixture: vocab {report['vocab']}, target held-out loss {report['target_held_out_loss']:.2f}"
+        f" nats (unigram {report['unigram_held_out_loss']:.2f})"
+    )
+    spec_line = (
+        f"EAGLE steps={args.steps} topk={args.topk} draft tokens={args.draft_tokens} (max accept length "
+        f"{args.steps + 1}); {args.prompts} prompts x {args.max_new_tokens} tokens per domain, "
+        f"{args.rounds} interleaved rounds; logs {log_dir}"
+    )
+    print(f"\n{fixture_line}\n{spec_line}")
+    header = f"{'tp':>2} {'config':<34} {'domain':<6} {'accept':>6} {'tokens/s':>9} {'vs no map':>9} "
+    print(header + f"{'vs plain':>8} {'= greedy':>9}")
+    for r in rows:
+        print(
+            f"{r['tp']:>2} {r['config']:<34} {r['domain']:<6} {r['accept_length']:>6.2f} "
+            f"{r['tokens_per_s']:>9.1f} {r['vs_no_map']:>8.2f}x {r['vs_plain']:>7.2f}x "
+            f"{r['equals_plain_greedy']:>9}"
+        )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "fixture": report, "results": rows}, indent=1)
+        )
+    if args.plot:
+        plot(rows, args.plot)
+    return 0 if all(r["equals_plain_greedy"] != "NO" and r["same_accept_every_round"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
