@@ -270,10 +270,11 @@ def count_server_tokens(
     """Count the ids the server generates for each prompt (and reads, with ``count_prompts``).
 
     At most ``concurrency`` requests are in flight. The counts, with which prompts are done, are
-    saved to ``counts_path`` every ``save_every`` answers, on an error and on Ctrl-C; a counts
-    file already there from the same server, model, prompts file (appended to or not) and
-    settings is resumed: its prompts are not sent again. ``tokenizer_path`` and ``eos_ids`` are
-    only recorded. Prints ``resuming: ...`` and the progress bar on stderr.
+    saved to ``counts_path`` every ``save_every`` answers, on Ctrl-C and on an error (once some
+    prompts are counted); a counts file already there from the same server, model, prompts file
+    (appended to or not) and settings is resumed: its prompts are not sent again.
+    ``tokenizer_path`` and ``eos_ids`` are only recorded. Prints ``resuming: ...`` and the
+    progress bar on stderr.
     """
     from tqdm import tqdm
 
@@ -344,7 +345,7 @@ def count_server_tokens(
         initial=len(prompts) - num_pending,
         unit="prompt",
         desc="generating",
-        disable=not progress,
+        disable=not progress or not num_pending,
     )
     answered = 0
     with bar, _sigint_as_flag() as interrupted:
