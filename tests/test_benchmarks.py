@@ -64,3 +64,21 @@ def test_bench_head_gemm_smoke(tmp_path):
     assert {v for tp, v in rows_of if tp == 2} == {"(a) stock", "(b) local", "(b) local+topk", "(b) balanced",
                                                   "(b) balanced+topk"}  # fmt: skip
     assert all(r["median_us"] > 0 and r["bound_us"] > 0 for r in results)
+
+
+@pytest.mark.server
+def test_bench_acceptance_smoke(tmp_path):
+    out = run("bench_acceptance.py", "--tp", "2", "--maps", "code_512", "--layouts", "--prompts", "2",
+              "--max-new-tokens", "8", "--rounds", "1", "--json", str(tmp_path / "a.json"),
+              "--plot", str(tmp_path / "a.png"))  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((tmp_path / "a.json").read_text())["results"]
+    assert [(r["config"], r["domain"]) for r in rows] == [
+        (config, domain)
+        for config in ("plain greedy", "EAGLE, no map", "map code_512")
+        for domain in ("code", "prose")
+    ]
+    assert all(r["equals_plain_greedy"] != "NO" for r in rows)
+    assert all(r["accept_length"] == 1.0 for r in rows if r["config"] == "plain greedy")
+    assert all(1.0 < r["accept_length"] <= 4.0 for r in rows if r["config"] != "plain greedy")
+    assert (tmp_path / "a.png").stat().st_size > 10_000
