@@ -9,10 +9,11 @@ import os
 import torch
 
 from sglang_frspec.adapters.token_map import load_token_map_ids
-from sglang_frspec.cli.plan import format_table, vocab_size_of
+from sglang_frspec.cli.plan import format_table
 from sglang_frspec.core import LAYOUTS, UnsupportedSetupError, plan_hot_shards
 from sglang_frspec.core.plan import DEFAULT_VOCAB_PADDING_SIZE
 from sglang_frspec.maps import TokenCounts
+from sglang_frspec.maps.tokenizer import vocab_size_of
 
 
 def add_parser(subparsers) -> None:

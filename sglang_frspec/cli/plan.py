@@ -6,10 +6,11 @@ import argparse
 import json
 import sys
 
-from sglang_frspec.core import LAYOUTS, HotShardPlan, UnsupportedSetupError, plan_hot_shards
+from sglang_frspec.core import LAYOUTS, HotShardPlan, plan_hot_shards
 from sglang_frspec.core.exchange_rule import auto_exchange
 from sglang_frspec.core.plan import DEFAULT_VOCAB_PADDING_SIZE
 from sglang_frspec.core.token_map import read_token_map
+from sglang_frspec.maps.tokenizer import vocab_size_of
 
 
 def add_parser(subparsers) -> None:
@@ -47,20 +48,6 @@ def add_parser(subparsers) -> None:
         "--plot", metavar="PNG", help="also save a bar chart of the hot ids each rank computes, per layout"
     )
     p.set_defaults(func=run)
-
-
-def vocab_size_of(model_path: str) -> int:
-    """The original vocab size in a local model's config (text config for multimodal models)."""
-    from transformers import AutoConfig
-
-    try:
-        return int(AutoConfig.from_pretrained(model_path).get_text_config().vocab_size)
-    except (OSError, ValueError, AttributeError) as e:  # missing folder, no/odd config.json
-        raise UnsupportedSetupError(
-            f"model {model_path!r}: cannot read its vocab size with transformers.AutoConfig "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Pass the model's "
-            "directory (with config.json) or --vocab-size."
-        ) from e
 
 
 def make_plans(args: argparse.Namespace) -> list[HotShardPlan]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from sglang_frspec.cli.plan import vocab_size_of
 from sglang_frspec.core import LAYOUTS
 from sglang_frspec.core.plan import DEFAULT_VOCAB_PADDING_SIZE
 from sglang_frspec.maps import TokenCounts
@@ -19,6 +18,7 @@ from sglang_frspec.maps.sizing import (
     estimate_sizes,
     recommend,
 )
+from sglang_frspec.maps.tokenizer import vocab_size_of
 
 
 def add_parser(subparsers) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from sglang_frspec.maps.errors import MapBuildError
 
 CORPUS_SUFFIXES = (".txt", ".jsonl", ".json")
-_JSON_LINES_SUFFIXES = (".jsonl", ".json")
+JSON_LINES_SUFFIXES = (".jsonl", ".json")
 _DATASET_ROWS_PER_READ = 1024
 
 
@@ -75,7 +75,7 @@ def read_documents(paths: Sequence[str | os.PathLike], text_field: str = "text")
         for source in sources:
             if source.is_dir():
                 yield from _dataset_documents(source, text_field)
-            elif source.suffix in _JSON_LINES_SUFFIXES:
+            elif source.suffix in JSON_LINES_SUFFIXES:
                 yield from _json_lines_documents(source, text_field)
             else:
                 yield from _text_documents(source)

@@ -31,11 +31,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sglang_frspec.maps.corpus import _JSON_LINES_SUFFIXES, read_documents
+from sglang_frspec.maps.corpus import JSON_LINES_SUFFIXES, read_documents
 from sglang_frspec.maps.counting import TokenCounts
 from sglang_frspec.maps.errors import MapBuildError
 from sglang_frspec.maps.ranking import check_map_size, top_token_ids
-from sglang_frspec.maps.tokenizer import eos_token_ids, load_tokenizer, resolve_tokens, token_id_space
+from sglang_frspec.maps.tokenizer import (
+    eos_token_ids,
+    load_tokenizer,
+    resolve_tokens,
+    token_id_space,
+    vocab_size_of,
+)
 
 _INFO_TIMEOUT_S = 30.0
 # One greedy generation of a few hundred tokens on a loaded server: minutes at worst.
@@ -113,7 +119,6 @@ def served_model(url: str, vocab_size: int | None = None) -> ServedModel:
     The vocab size is read from the model's ``config.json`` when the server's model path is a
     directory on this machine; it must then equal ``vocab_size`` if both are known.
     """
-    from sglang_frspec.cli.plan import vocab_size_of
     from sglang_frspec.core import UnsupportedSetupError
 
     url = server_url(url)
@@ -162,7 +167,7 @@ def read_prompts(path: str | os.PathLike, text_field: str = "text") -> list[str]
             + ("is a directory; pass one file." if path.is_dir() else "no such file.")
         )
     documents = read_documents([path], text_field)
-    if path.suffix not in _JSON_LINES_SUFFIXES:
+    if path.suffix not in JSON_LINES_SUFFIXES:
         # A line's break ends the prompt; it is not part of it.
         documents = (line.rstrip("\r\n") for line in documents)
     prompts = [prompt for prompt in documents if prompt]

@@ -1,4 +1,4 @@
-"""Tokenizers for map building: loading, id space, end-of-sequence ids and named tokens."""
+"""Tokenizers and model configs for map building: loading, id space, EOS ids, named tokens, vocab size."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from sglang_frspec.core import UnsupportedSetupError
 from sglang_frspec.maps.errors import MapBuildError
 
 
@@ -79,3 +80,17 @@ def resolve_tokens(
                 )
         ids.append(int(token_id))
     return tuple(ids)
+
+
+def vocab_size_of(model_path: str) -> int:
+    """The original vocab size in a local model's config (text config for multimodal models)."""
+    from transformers import AutoConfig
+
+    try:
+        return int(AutoConfig.from_pretrained(model_path).get_text_config().vocab_size)
+    except (OSError, ValueError, AttributeError) as e:  # missing folder, no/odd config.json
+        raise UnsupportedSetupError(
+            f"model {model_path!r}: cannot read its vocab size with transformers.AutoConfig "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Pass the model's "
+            "directory (with config.json) or --vocab-size."
+        ) from e
