@@ -159,23 +159,24 @@ def run_tp(tp: int, fixture, args, log_dir: Path, prompts: dict) -> list[Config]
     return configs
 
 
+def group_ratio(samples: list[dict], ref_samples: list[dict]) -> float:
+    """Median over interleaved groups of (median tokens/s of ``samples`` / the reference's) within
+    each group: only samples from the same rounds are compared (the references run in every group)."""
+    ratios = []
+    for group in dict.fromkeys(s["group"] for s in samples):
+        mine = [s["tokens_per_s"] for s in samples if s["group"] == group]
+        ref = [s["tokens_per_s"] for s in ref_samples if s["group"] == group]
+        ratios.append(summarize(mine)["median"] / summarize(ref)["median"])
+    return summarize(ratios)["median"]
+
+
 def summarize_tp(configs: list[Config], fixture, prompts: dict) -> list[dict]:
     by_name = {c.name: c for c in configs}
     rows = []
     for config in configs:
         for domain in DOMAINS:
             samples = config.samples[domain]
-            ratios = {}
-            for ref in (PLAIN, NO_MAP):
-                # The reference's samples from the same interleaved rounds as this config's.
-                ref_tps = [
-                    s["tokens_per_s"]
-                    for s in by_name[ref].samples[domain]
-                    if s["group"] == samples[0]["group"]
-                ]
-                ratios[ref] = (
-                    summarize([s["tokens_per_s"] for s in samples])["median"] / summarize(ref_tps)["median"]
-                )
+            ratios = {ref: group_ratio(samples, by_name[ref].samples[domain]) for ref in (PLAIN, NO_MAP)}
             plain = by_name[PLAIN].samples[domain][0]["outputs"]
             rows.append(
                 {
