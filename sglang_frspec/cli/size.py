@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from sglang_frspec.cli.inspect_map import coverage_sizes
 from sglang_frspec.core import LAYOUTS
 from sglang_frspec.core.plan import DEFAULT_VOCAB_PADDING_SIZE
 from sglang_frspec.maps import TokenCounts
@@ -73,15 +74,6 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def default_sizes(id_space: int) -> list[int]:
-    """Powers of two from 1/64 of the id space, and the whole id space (a map of every id)."""
-    sizes, n = {id_space}, 1 << max(0, (id_space // 64).bit_length() - 1)
-    while n < id_space:
-        sizes.add(n)
-        n *= 2
-    return sorted(sizes)
-
-
 def format_report(estimates: list[SizeEstimate], best: SizeEstimate, header: str) -> str:
     lines = [
         header,
@@ -136,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         vocab_size,
         args.hidden,
         args.tp,
-        args.sizes or default_sizes(counts.id_space),
+        args.sizes or coverage_sizes(counts.id_space, counts.id_space),
         accept_length=args.accept_length,
         draft_steps=args.draft_steps,
         layout=args.layout,
