@@ -68,14 +68,15 @@ def _process_tree(pid: int) -> list:
     return list(procs.values())
 
 
-def kill_tree(pid: int, grace: float = 10.0) -> None:
-    """SIGTERM the process group and every descendant of ``pid``, then SIGKILL leftovers.
+def kill_tree(pid: int, grace: float = 10.0, *, graceful: bool = True) -> None:
+    """SIGTERM the process group and every descendant of ``pid``, then SIGKILL leftovers
+    (``graceful=False``: SIGKILL at once).
 
     Safe to call on a process that already exited (its group's leftovers are still found)."""
     import psutil
 
     procs = _process_tree(pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in (signal.SIGTERM, signal.SIGKILL) if graceful else (signal.SIGKILL,):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, sig)  # started with start_new_session: pgid == pid
         for p in procs:
@@ -154,7 +155,7 @@ class SGLangServer:
                     pass
             if healthy and (not self.logs_ready_line or READY_LINE in self.log()):
                 return self
-            time.sleep(1.0)
+            time.sleep(0.25)
         raise ServerError(
             f"server not ready after {self.ready_timeout:.0f}s; "
             f"log {self.log_path}:\n{log_tail(self.log_path)}"
@@ -212,11 +213,14 @@ class SGLangServer:
         self._signal_tree(signal.SIGCONT)
 
     def stop(self) -> None:
-        """Stop the whole tree; also when the launcher already exited and left schedulers behind."""
+        """Kill the whole tree; also when the launcher already exited and left schedulers behind.
+
+        SIGKILL, not SIGTERM: SGLang's launcher answers a scheduler ended by SIGTERM with a 5 s
+        crash-diagnostics sleep, and its graceful drain takes as long (a test of the graceful
+        path sends SIGTERM to the launcher itself)."""
         if self.proc is None:
             return
-        self.resume()  # a stopped process would not act on SIGTERM
-        kill_tree(self.proc.pid)
+        kill_tree(self.proc.pid, graceful=False)  # SIGKILL also ends a suspended (SIGSTOP) process
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
 
