@@ -97,7 +97,9 @@ def start(config: Config, fixture, args, log_dir: Path) -> SGLangServer:
     env = cpu_env(config.tp, with_plugin=True, base=os.environ | options)
     name = f"tp{config.tp}-{config.name.replace(' ', '_').replace('/', '-')}.log"
     print(f"starting tp={config.tp} {config.name} ...", flush=True)
-    return SGLangServer(cli, env, log_dir / name).start().wait_ready()
+    server = SGLangServer(cli, env, log_dir / name).start().wait_ready()
+    server.suspend()  # idle schedulers poll: the next server would start (and run) next to them
+    return server
 
 
 def timed_batch(server: SGLangServer, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -114,9 +116,7 @@ def timed_batch(server: SGLangServer, prompts: list[list[int]], max_new_tokens: 
 
 
 def measure(group: list[Config], servers: dict, prompts: dict, args) -> None:
-    """Interleaved rounds over the servers of ``group``; each round times every domain's batch."""
-    for name in servers:
-        servers[name].suspend()
+    """Interleaved rounds over the (suspended) servers of ``group``; each round times every domain's batch."""
     for round_ in range(args.rounds + 1):  # round 0 warms up and is not kept
         order = group[round_ % len(group) :] + group[: round_ % len(group)]
         for config in order:
