@@ -4,6 +4,7 @@ and across weight updates. Every case runs a real server start-up or a real SGLa
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,12 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from sglang_frspec.testing.cpu import cpu_env
+from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
+from sglang_frspec.testing.server import ServerError, SGLangServer
 
 pytestmark = pytest.mark.server
 # Argument-time failures exit from the launcher before any scheduler starts or model loads:
 # the time is Python start-up plus importing SGLang. Measured 29-32 s on the 2-core machine at
-# a load average of 13-17 (several engineers' tests at once); CI runs one server at a time.
+# a load average of 13-17 (several engineers' tests at once); CI runs one launcher per core.
 # The bound is about 2x that worst case (a hang or a model load would exceed it).
 ARGUMENT_TIME_EXIT = 60
 # A failure found once the draft is loaded (schedulers spawned, both models loaded, then every
@@ -49,40 +51,65 @@ def _write_map(tmp_path, case):
     return str(path)
 
 
-@pytest.mark.parametrize("case", sorted(BAD_MAPS))
-def test_bad_map_fails_fast_before_device_work(perm, start_server, tmp_path, case):
-    server = start_server(perm, 2, _write_map(tmp_path, case), wait=False)
-    assert server.wait_exit(ARGUMENT_TIME_EXIT) != 0
-    log = server.log()
-    assert BAD_MAPS[case][1] in log and f"{case}.pt" in log
+UNSUPPORTED = [
+    (["--speculative-algorithm", "STANDALONE"], "works only with --speculative-algorithm EAGLE"),
+    (["--speculative-algorithm", "NGRAM"], "works only with --speculative-algorithm EAGLE"),
+    (["--enable-multi-layer-eagle"], "cannot be combined with --enable-multi-layer-eagle"),
+    (["--load-format", "gguf"], "cannot be used with a GGUF target"),
+]
+# Upstream refuses a map only after the weights load (and lets a whole-vocab map through).
+REJECTION_SAMPLING = ["--speculative-use-rejection-sampling", "--speculative-eagle-topk", "1",
+                      "--speculative-num-draft-tokens", "3"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def argument_time_exits(perm, tmp_path_factory) -> dict[str, tuple[int | None, str]]:
+    """Every argument-time case as its own real TP=2 launcher, run to its exit a core's worth at a
+    time (each is one single-threaded import of SGLang): {case: (exit status or None if still
+    running after ARGUMENT_TIME_EXIT, log)}."""
+    tmp_path = tmp_path_factory.mktemp("argument-time")
+    cases = {f"map {case}": (_write_map(tmp_path, case), []) for case in BAD_MAPS}
+    cases |= {f"args {' '.join(extra)}": (perm.token_map("hot"), extra) for extra, _ in UNSUPPORTED}
+    cases["rejection sampling"] = (perm.token_map("hot"), REJECTION_SAMPLING)
+
+    def launch(i: int, case: str) -> tuple[int | None, str]:
+        token_map, extra = cases[case]
+        args = ["--model-path", perm.target, "--tp-size", "2", *CPU_SERVER_ARGS]
+        args += eagle_args(perm.draft, token_map) + extra
+        server = SGLangServer(args, cpu_env(2, base=dict(os.environ)), tmp_path / f"launch{i}.log").start()
+        try:
+            status = server.wait_exit(ARGUMENT_TIME_EXIT)
+        except ServerError:
+            status = None
+        finally:
+            server.stop()
+        return status, server.log()
+
+    with ThreadPoolExecutor(min(4, len(os.sched_getaffinity(0)))) as pool:
+        return dict(zip(cases, pool.map(launch, range(len(cases)), cases)))
+
+
+def _rejected_at_argument_time(exits: dict, case: str, message: str) -> None:
+    status, log = exits[case]
+    assert status is not None and status != 0, (status, log[-3000:])
+    assert message in log, log[-3000:]
     assert LOAD_WEIGHTS not in log  # rejected at argument time: no model was loaded
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (["--speculative-algorithm", "STANDALONE"], "works only with --speculative-algorithm EAGLE"),
-        (["--speculative-algorithm", "NGRAM"], "works only with --speculative-algorithm EAGLE"),
-        (["--enable-multi-layer-eagle"], "cannot be combined with --enable-multi-layer-eagle"),
-        (["--load-format", "gguf"], "cannot be used with a GGUF target"),
-    ],
-)
-def test_unsupported_combinations_are_rejected_at_argument_time(perm, start_server, extra, message):
-    server = start_server(perm, 2, perm.token_map("hot"), extra=tuple(extra), wait=False)
-    assert server.wait_exit(ARGUMENT_TIME_EXIT) != 0
-    log = server.log()
-    assert message in log and LOAD_WEIGHTS not in log
+@pytest.mark.parametrize("case", sorted(BAD_MAPS))
+def test_bad_map_fails_fast_before_device_work(argument_time_exits, case):
+    _rejected_at_argument_time(argument_time_exits, f"map {case}", BAD_MAPS[case][1])
+    assert f"{case}.pt" in argument_time_exits[f"map {case}"][1]
 
 
-def test_rejection_sampling_with_a_map_fails_at_argument_time(perm, start_server):
-    """Upstream refuses a map only after the weights load (and lets a whole-vocab map through)."""
-    topk1 = ("--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
-    server = start_server(perm, 2, perm.token_map("hot"), wait=False,
-                          extra=("--speculative-use-rejection-sampling", *topk1))  # fmt: skip
-    assert server.wait_exit(ARGUMENT_TIME_EXIT) != 0
-    log = server.log_path.read_text()
-    assert "--speculative-token-map cannot be combined with --speculative-use-rejection-sampling" in log
-    assert LOAD_WEIGHTS not in log
+@pytest.mark.parametrize(("extra", "message"), UNSUPPORTED)
+def test_unsupported_combinations_are_rejected_at_argument_time(argument_time_exits, extra, message):
+    _rejected_at_argument_time(argument_time_exits, f"args {' '.join(extra)}", message)
+
+
+def test_rejection_sampling_with_a_map_fails_at_argument_time(argument_time_exits):
+    message = "--speculative-token-map cannot be combined with --speculative-use-rejection-sampling"
+    _rejected_at_argument_time(argument_time_exits, "rejection sampling", message)
 
 
 def test_tied_draft_fails_on_every_rank(perm, start_server, tmp_path):
