@@ -169,65 +169,88 @@ def test_draft_that_keeps_its_own_head_fails_on_every_rank(perm, start_server, t
 # ---------------------------------------------------------------- 5/6. argument time
 RESOLVE = """
 import json, logging, sys
-logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="LOG %(message)s")
+messages = []
+class Collect(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+logging.basicConfig(level=logging.WARNING, handlers=[Collect()])
 from sglang.srt.plugins import load_plugins
 load_plugins()  # as the launcher does: this plugin (SGLANG_PLUGINS) registers and applies its hooks
 from sglang.srt.server_args import ServerArgs
-args = ServerArgs(**json.loads(sys.argv[1]))
-try:
-    args.resolve_once()
-    print("RESOLVED", args.speculative_algorithm)
-except Exception as e:
-    print("ERROR", type(e).__name__, e)
+for fields in json.loads(sys.argv[1]):
+    messages.clear()
+    args = ServerArgs(**fields)
+    try:
+        args.resolve_once()
+        result = f"RESOLVED {args.speculative_algorithm}"
+    except Exception as e:
+        result = f"ERROR {type(e).__name__} {e}"
+    print("CASE", json.dumps([result, messages]))
 """
+EAGLE = {"speculative_algorithm": "EAGLE"}
+REJECTION_SAMPLING = EAGLE | {"speculative_use_rejection_sampling": True, "speculative_eagle_topk": 1,
+                              "speculative_num_steps": 2, "speculative_num_draft_tokens": 3}  # fmt: skip
+PD_PREFILL = EAGLE | {"disaggregation_mode": "prefill"}
 
 
-def _resolve(perm, token_map: str, **kwargs) -> tuple[str, str]:
-    """Run SGLang's real argument resolution (with this plugin registered) in a child process."""
-    fields = {"model_path": perm.target, "device": "cpu", "tp_size": 2, "speculative_token_map": token_map}
-    fields |= kwargs
+@pytest.fixture(scope="module")
+def resolved(perm, tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
+    """SGLang's real argument resolution (with this plugin registered) of every case below, in
+    one child process: {case: (RESOLVED <algorithm> or ERROR <type> <message>, logged messages)}."""
+    tmp_path = tmp_path_factory.mktemp("resolve")
+    ids = torch.load(perm.token_map("hot"))
+    maps = {"hot": perm.token_map("hot")}
+    for name, tensor in (("whole", torch.arange(perm.vocab_size)), ("unsorted", ids.flip(0)),
+                         ("sorted", ids.unique(sorted=True))):  # fmt: skip
+        torch.save(tensor, tmp_path / f"{name}.pt")
+        maps[name] = str(tmp_path / f"{name}.pt")
+    cases = {
+        "no algorithm": ("hot", {}),
+        "frozen kv mtp": ("hot", {"speculative_algorithm": "FROZEN_KV_MTP"}),
+        "rejection sampling": ("hot", REJECTION_SAMPLING),
+        "rejection sampling, whole vocab": ("whole", REJECTION_SAMPLING),
+        "pd prefill, unsorted": ("unsorted", PD_PREFILL),
+        "pd prefill, sorted": ("sorted", PD_PREFILL),
+    }
+    fields = [
+        {"model_path": perm.target, "device": "cpu", "tp_size": 2, "speculative_token_map": maps[name]}
+        | ({"speculative_draft_model_path": perm.draft} if extra else {})
+        | extra
+        for name, extra in cases.values()
+    ]
     out = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(fields)], env=cpu_env(2),
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.strip().splitlines()[-1], out.stderr
+    results = [json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("CASE ")]
+    assert len(results) == len(cases), out.stdout[-3000:]
+    return {case: (result, messages) for case, (result, messages) in zip(cases, results)}
 
 
-def test_map_without_an_algorithm_is_ignored_as_in_stock(perm):
-    result, log = _resolve(perm, perm.token_map("hot"))
+def test_map_without_an_algorithm_is_ignored_as_in_stock(resolved):
+    result, messages = resolved["no algorithm"]
     assert result == "RESOLVED None"
-    assert "LOG --speculative-token-map is ignored without --speculative-algorithm." in log
+    assert any(
+        m.startswith("--speculative-token-map is ignored without --speculative-algorithm.") for m in messages
+    )
 
 
-def test_map_with_frozen_kv_mtp_is_ignored_as_in_stock(perm):
-    result, log = _resolve(perm, perm.token_map("hot"), speculative_algorithm="FROZEN_KV_MTP",
-                           speculative_draft_model_path=perm.draft)  # fmt: skip
+def test_map_with_frozen_kv_mtp_is_ignored_as_in_stock(resolved):
+    result, messages = resolved["frozen kv mtp"]
     assert result == "RESOLVED FROZEN_KV_MTP"
-    assert "LOG --speculative-token-map is ignored for FROZEN_KV_MTP" in log
+    assert any(m.startswith("--speculative-token-map is ignored for FROZEN_KV_MTP") for m in messages)
 
 
-def test_rejection_sampling_with_a_map_fails_at_argument_time(perm, tmp_path):
+def test_rejection_sampling_with_a_map_fails_at_argument_time(resolved):
     """Even a map holding the whole vocab (which passes upstream's after-load guard)."""
-    whole_vocab = tmp_path / "whole.pt"
-    torch.save(torch.arange(perm.vocab_size), whole_vocab)
-    for token_map in (perm.token_map("hot"), str(whole_vocab)):
-        result, _ = _resolve(perm, token_map, speculative_algorithm="EAGLE",
-                             speculative_draft_model_path=perm.draft, speculative_use_rejection_sampling=True,
-                             speculative_eagle_topk=1, speculative_num_steps=2,
-                             speculative_num_draft_tokens=3)  # fmt: skip
+    for case in ("rejection sampling", "rejection sampling, whole vocab"):
+        result, _ = resolved[case]
         assert result.startswith("ERROR UnsupportedSetupError --speculative-token-map cannot be combined "
-                                 "with --speculative-use-rejection-sampling"), result  # fmt: skip
+                                 "with --speculative-use-rejection-sampling"), (case, result)  # fmt: skip
 
 
-def test_pd_node_warns_when_the_map_file_is_not_sorted(perm, tmp_path):
-    unsorted = tmp_path / "unsorted.pt"
-    ids = torch.load(perm.token_map("hot"))
-    torch.save(ids.flip(0), unsorted)
-    eagle = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": perm.draft,
-             "disaggregation_mode": "prefill"}  # fmt: skip
+def test_pd_node_warns_when_the_map_file_is_not_sorted(resolved):
     warning = "is not sorted and unique: sglang-frspec uses the sorted hot order"
-    result, log = _resolve(perm, str(unsorted), **eagle)
-    assert result == "RESOLVED EAGLE" and warning in log
-    sorted_map = tmp_path / "sorted.pt"
-    torch.save(ids.unique(sorted=True), sorted_map)
-    result, log = _resolve(perm, str(sorted_map), **eagle)
-    assert result == "RESOLVED EAGLE" and warning not in log
+    result, messages = resolved["pd prefill, unsorted"]
+    assert result == "RESOLVED EAGLE" and any(warning in m for m in messages)
+    result, messages = resolved["pd prefill, sorted"]
+    assert result == "RESOLVED EAGLE" and not any(warning in m for m in messages)
