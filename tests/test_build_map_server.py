@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import signal
 import subprocess
@@ -25,7 +26,8 @@ import torch
 from sglang_frspec.cli import main
 from sglang_frspec.core import read_token_map
 from sglang_frspec.maps import MapBuildError, TokenCounts, rebuild_token_map
-from sglang_frspec.testing.server import free_port
+from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env
+from sglang_frspec.testing.server import SGLangServer, free_port
 from tests.test_maps import cli, reference_counts, reference_ranking
 
 MAX_NEW_TOKENS = 6
@@ -58,6 +60,16 @@ def build_map(*args: str) -> list[str]:
     return ["build-map", *args, "--max-new-tokens", str(MAX_NEW_TOKENS), "--no-progress"]
 
 
+@pytest.fixture(scope="module")
+def plain_server(perm, tmp_path_factory):
+    """One plain (no speculative decoding) TP=1 server with --enable-metrics for the tests below
+    (each counts only the requests it sends)."""
+    args = ["--model-path", perm.target, "--tp-size", "1", *CPU_SERVER_ARGS, "--enable-metrics"]
+    log = tmp_path_factory.mktemp("plain-server") / "server.log"
+    with SGLangServer(args, cpu_env(1, base=dict(os.environ)), log) as server:
+        yield server
+
+
 def generate_requests(server) -> int:
     """How many POST /generate requests the server has received (its --enable-metrics counter)."""
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
@@ -75,8 +87,8 @@ def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
 
 
 @pytest.mark.server
-def test_counts_and_map_are_the_targets_outputs(perm, start_server, tmp_path, capsys):
-    server = start_server(perm, 1, eagle=False)
+def test_counts_and_map_are_the_targets_outputs(perm, plain_server, tmp_path, capsys):
+    server = plain_server
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": s, "prompt": chain_prompt(perm, s)}) + "\n" for s in STARTS))
     map_path = tmp_path / "map.pt"
@@ -172,8 +184,8 @@ def test_a_server_whose_model_is_elsewhere_needs_the_vocab_size(perm, start_serv
 
 
 @pytest.mark.server
-def test_resume_sends_only_the_prompts_not_counted(perm, start_server, tmp_path, capsys):
-    server = start_server(perm, 1, eagle=False, extra=("--enable-metrics",))
+def test_resume_sends_only_the_prompts_not_counted(perm, plain_server, tmp_path, capsys):
+    server = plain_server
     prompts = write_prompts(tmp_path / "prompts.txt", perm, STARTS[:3])
     map_path, counts_file = tmp_path / "map.pt", tmp_path / "map.pt.counts.pt"
     argv = build_map(
@@ -224,8 +236,8 @@ def test_resume_sends_only_the_prompts_not_counted(perm, start_server, tmp_path,
 
 
 @pytest.mark.server
-def test_ctrl_c_saves_the_counts_and_the_rerun_resumes(perm, start_server, tmp_path, capsys):
-    server = start_server(perm, 1, eagle=False, extra=("--enable-metrics",))
+def test_ctrl_c_saves_the_counts_and_the_rerun_resumes(perm, plain_server, tmp_path, capsys):
+    server = plain_server
     starts = list(range(0, 100, 10))
     prompts = write_prompts(tmp_path / "prompts.txt", perm, starts)
     map_path, counts_file = tmp_path / "map.pt", tmp_path / "map.pt.counts.pt"
@@ -233,6 +245,7 @@ def test_ctrl_c_saves_the_counts_and_the_rerun_resumes(perm, start_server, tmp_p
         "--from-server", server.url, "--prompts", str(prompts), "--size", "8", "-o", str(map_path)
     )
     # No periodic save (--save-every > prompts): a counts file can only come from the Ctrl-C.
+    sent = generate_requests(server)
     process = subprocess.Popen(
         [sys.executable, "-m", "sglang_frspec", *argv, "--concurrency", "1", "--save-every", "1000"],
         stdout=subprocess.PIPE,
@@ -242,7 +255,7 @@ def test_ctrl_c_saves_the_counts_and_the_rerun_resumes(perm, start_server, tmp_p
     try:
         deadline = time.monotonic() + 120
         # One request in flight at a time: the second one arrives after the first answer did.
-        while generate_requests(server) < 2:
+        while generate_requests(server) < sent + 2:
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()
             time.sleep(0.05)
         server.suspend()  # no more answers: the interrupt lands mid-run
