@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import summarize  # noqa: E402
+from common import median_interval, summarize  # noqa: E402
 
 from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
 from sglang_frspec.testing.fixtures import LLAMA3_VOCAB, perm_fixture  # noqa: E402
@@ -185,9 +185,9 @@ def main(argv=None) -> int:
         if name.endswith(COVERAGE_OFF):
             # Paired per round (both ran in the same round), so slow drifts of the machine cancel.
             on = samples[name.removesuffix(COVERAGE_OFF)]
-            ratios = summarize([a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(on, runs)])
-            results[-1] |= {"coverage_on_over_off": ratios["median"], "ratio_p25": ratios["p25"],
-                            "ratio_p75": ratios["p75"]}  # fmt: skip
+            paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(on, runs)]
+            low, high = median_interval(paired)
+            results[-1] |= {"coverage_on_over_off": summarize(paired)["median"], "ratio_ci95": [low, high]}
     model = args.model_path
     if fixture is not None:
         model = f"permutation fixture (V={LLAMA3_VOCAB}, hidden {args.hidden}, H={args.hot})"
@@ -210,8 +210,9 @@ def main(argv=None) -> int:
         if "coverage_on_over_off" in r:
             print(
                 f"{r['config'].removesuffix(COVERAGE_OFF)}: tokens/s with coverage on / off = "
-                f"{r['coverage_on_over_off']:.4f} (p25-p75 {r['ratio_p25']:.4f}-{r['ratio_p75']:.4f} over "
-                f"{args.rounds} paired rounds; overhead {1 - r['coverage_on_over_off']:+.2%})"
+                f"{r['coverage_on_over_off']:.4f} (95% interval of the median {r['ratio_ci95'][0]:.4f}-"
+                f"{r['ratio_ci95'][1]:.4f} over {args.rounds} paired rounds; overhead "
+                f"{1 - r['coverage_on_over_off']:+.2%})"
             )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 
 import torch
@@ -51,6 +52,22 @@ def summarize(samples: list[float]) -> dict:
     ordered = sorted(samples)
     quartiles = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
     return {"median": statistics.median(ordered), "p25": quartiles[0], "p75": quartiles[2], "n": len(ordered)}
+
+
+def median_interval(samples: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Distribution-free confidence interval of the median: order statistics ``x_(l) .. x_(n+1-l)``
+    with the largest l such that P(l <= Binomial(n, 1/2) <= n - l) >= ``confidence``."""
+    ordered = sorted(samples)
+    n = len(ordered)
+    cdf, lower = 0.0, 0  # cdf = P(Binomial(n, 1/2) < lower + 1)
+    for k in range(n // 2 + 1):
+        cdf += math.comb(n, k) / 2**n
+        if 1 - 2 * cdf < confidence:
+            break
+        lower = k + 1
+    if lower == 0:
+        return ordered[0], ordered[-1]  # too few samples for this confidence: the full range
+    return ordered[lower - 1], ordered[n - lower]
 
 
 def add_head_args(p: argparse.ArgumentParser) -> None:

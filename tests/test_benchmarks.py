@@ -12,6 +12,19 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+sys.path.insert(0, str(BENCH))
+from common import median_interval  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("n", "ranks"), [(5, (1, 5)), (6, (1, 6)), (10, (2, 9)), (30, (10, 21)), (100, (40, 61))]
+)
+def test_median_interval_is_the_binomial_order_statistic_interval(n, ranks):
+    """Textbook 95% ranks (1-based) of the distribution-free median interval; shuffled input."""
+    samples = [float(x) for x in range(1, n + 1)][::-1]
+    assert median_interval(samples) == tuple(float(r) for r in ranks)
+
+
 def run(script: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
