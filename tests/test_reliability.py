@@ -230,9 +230,10 @@ def test_32_concurrent_mixed_requests_match_plain_decoding(perm, start_server):
     assert {p[-1] in hot for p in prompts} == {True, False}  # both kinds of request are present
 
 
-def _permuted_target(perm, tmp_path):
+def _permuted_target(perm, tmp_path) -> tuple[str, dict[int, int]]:
     """A copy of the target whose head rows are permuted inside the hot set: greedy becomes
-    x -> tau^-1(pi(x)), still inside the hot set."""
+    x -> tau^-1(pi(x)), still inside the hot set. Returns its path and that greedy step on every
+    hot id (pi on the hot set is the fixture's two chains, which wrap around both hot cycles)."""
     from safetensors.torch import load_file, save_file
 
     target = tmp_path / "target-b"
@@ -243,16 +244,19 @@ def _permuted_target(perm, tmp_path):
     head = tensors["lm_head.weight"]
     head[hot] = head[tau].clone()  # head'[hot[i]] = head[tau[i]]
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    return str(target)
+    # Greedy picks the row that was head[pi(x)], now at hot[i] where tau[i] == pi(x).
+    tau_inverse = {int(t): int(h) for h, t in zip(hot, tau)}
+    pi = {a: b for chain in (perm.chain, perm.low_chain) for a, b in zip(chain, chain[1:])}
+    assert set(pi) == set(hot.tolist())  # the chains cover the hot set
+    return str(target), {x: tau_inverse[pi[x]] for x in pi}
 
 
 def test_weight_update_refreshes_the_hot_head(perm, start_server, tmp_path):
-    new_target = _permuted_target(perm, tmp_path)
-    # A later --model-path overrides the fixture's: plain greedy decoding of the new weights.
-    reference = start_server(perm, 2, eagle=False, extra=("--model-path", new_target))
+    new_target, new_step = _permuted_target(perm, tmp_path)
     prompt = list(perm.chain[:3])
-    new_greedy = reference.generate(prompt, 24)["output_ids"]
-    reference.stop()
+    new_greedy = [new_step[prompt[-1]]]
+    while len(new_greedy) < 24:
+        new_greedy.append(new_step[new_greedy[-1]])
     assert new_greedy != list(perm.chain[3:27])  # the update really changes the model
 
     server = start_server(perm, 2, perm.token_map("hot"))
