@@ -81,7 +81,7 @@ def test_bench_head_gemm_smoke(tmp_path):
 
 @pytest.mark.server
 def test_bench_acceptance_smoke(tmp_path):
-    out = run("bench_acceptance.py", "--tp", "2", "--maps", "code_512", "--layouts", "--prompts", "2",
+    out = run("bench_acceptance.py", "--tp", "1", "--maps", "code_512", "--layouts", "--prompts", "2",
               "--max-new-tokens", "8", "--rounds", "1", "--json", str(tmp_path / "a.json"),
               "--plot", str(tmp_path / "a.png"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
