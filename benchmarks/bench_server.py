@@ -11,8 +11,10 @@ CPU (default): a permutation fixture with a Llama-3-size vocab (128256) whose hi
 models; every draft token is acceptable, so accept length is the same for every configuration.
     python benchmarks/bench_server.py
 Coverage overhead (``--coverage-off``): every plugin configuration also runs with
-SGLANG_FRSPEC_COVERAGE=0, and the tokens/s of coverage on over off is reported per round:
-    python benchmarks/bench_server.py --hidden 128 --configs balanced/full --coverage-off --rounds 10
+SGLANG_FRSPEC_COVERAGE=0, and the tokens/s of coverage on over off is reported as the median of
+the per-round ratios with its 95% interval (docs/results/coverage-overhead-cpu.txt):
+    python benchmarks/bench_server.py --hidden 128 --configs balanced/full --coverage-off --rounds 30 \
+        --requests 8 --max-new-tokens 96
 GPU:
     python benchmarks/bench_server.py --device cuda --tp 8 --model-path M \\
         --draft-model-path D --token-map freq_32768.pt
