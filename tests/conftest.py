@@ -67,6 +67,26 @@ def perm_llama3():
 _SERVERS_KEY = pytest.StashKey[list]()
 
 
+def fixture_server(
+    fixture,
+    tp: int,
+    log_path: Path,
+    token_map: str | None = None,
+    *,
+    plugin: bool = True,
+    extra: tuple = (),
+    env: dict | None = None,
+    eagle: bool = True,
+) -> SGLangServer:
+    """A (not yet started) CPU ``sglang.launch_server`` of a fixture's target (and EAGLE draft);
+    ``env`` adds variables to (never replaces) this process's environment."""
+    args = ["--model-path", fixture.target, "--tp-size", str(tp), *CPU_SERVER_ARGS]
+    if eagle:
+        args += eagle_args(fixture.draft, token_map)
+    args += list(extra)
+    return SGLangServer(args, cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {})), log_path)
+
+
 @pytest.fixture
 def start_server(request, tmp_path):
     """``start_server(fixture, tp, token_map=None, plugin=True, extra=(), env=None)``.
@@ -91,15 +111,10 @@ def start_server(request, tmp_path):
         wait: bool = True,
         eagle: bool = True,
     ) -> SGLangServer:
-        args = ["--model-path", fixture.target, "--tp-size", str(tp), *CPU_SERVER_ARGS]
-        if eagle:
-            args += eagle_args(fixture.draft, token_map)
-        args += list(extra)
-        server = SGLangServer(
-            args,
-            cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {})),
-            tmp_path / f"server{len(servers)}.log",
-        )
+        server = fixture_server(
+            fixture, tp, tmp_path / f"server{len(servers)}.log", token_map,
+            plugin=plugin, extra=extra, env=env, eagle=eagle,
+        )  # fmt: skip
         servers.append(server)
         teardown.callback(server.stop)
         server.start()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import signal
 import subprocess
@@ -26,8 +25,8 @@ import torch
 from sglang_frspec.cli import main
 from sglang_frspec.core import read_token_map
 from sglang_frspec.maps import MapBuildError, TokenCounts, rebuild_token_map
-from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env
-from sglang_frspec.testing.server import SGLangServer, free_port
+from sglang_frspec.testing.server import free_port
+from tests.conftest import fixture_server
 from tests.test_maps import cli, reference_counts, reference_ranking
 
 MAX_NEW_TOKENS = 6
@@ -64,9 +63,8 @@ def build_map(*args: str) -> list[str]:
 def plain_server(perm, tmp_path_factory):
     """One plain (no speculative decoding) TP=1 server with --enable-metrics for the tests below
     (each counts only the requests it sends)."""
-    args = ["--model-path", perm.target, "--tp-size", "1", *CPU_SERVER_ARGS, "--enable-metrics"]
     log = tmp_path_factory.mktemp("plain-server") / "server.log"
-    with SGLangServer(args, cpu_env(1, base=dict(os.environ)), log) as server:
+    with fixture_server(perm, 1, log, eagle=False, extra=("--enable-metrics",)) as server:
         yield server
 
 

@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
-from sglang_frspec.testing.server import ServerError, SGLangServer
+from sglang_frspec.testing.cpu import cpu_env
+from sglang_frspec.testing.server import ServerError
+from tests.conftest import fixture_server
 
 pytestmark = pytest.mark.server
 # Argument-time failures exit from the launcher before any scheduler starts or model loads:
@@ -74,9 +75,7 @@ def argument_time_exits(perm, tmp_path_factory) -> dict[str, tuple[int | None, s
 
     def launch(i: int, case: str) -> tuple[int | None, str]:
         token_map, extra = cases[case]
-        args = ["--model-path", perm.target, "--tp-size", "2", *CPU_SERVER_ARGS]
-        args += eagle_args(perm.draft, token_map) + extra
-        server = SGLangServer(args, cpu_env(2, base=dict(os.environ)), tmp_path / f"launch{i}.log").start()
+        server = fixture_server(perm, 2, tmp_path / f"launch{i}.log", token_map, extra=tuple(extra)).start()
         try:
             status = server.wait_exit(ARGUMENT_TIME_EXIT)
         except ServerError:
