@@ -77,14 +77,17 @@ def fixture_server(
     extra: tuple = (),
     env: dict | None = None,
     eagle: bool = True,
+    forked: bool = True,
 ) -> SGLangServer:
     """A (not yet started) CPU ``sglang.launch_server`` of a fixture's target (and EAGLE draft);
-    ``env`` adds variables to (never replaces) this process's environment."""
+    ``env`` adds variables to (never replaces) this process's environment. The launcher is
+    forked from a zygote (see ``SGLangServer``); ``forked=False`` starts a new Python."""
     args = ["--model-path", fixture.target, "--tp-size", str(tp), *CPU_SERVER_ARGS]
     if eagle:
         args += eagle_args(fixture.draft, token_map)
     args += list(extra)
-    return SGLangServer(args, cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {})), log_path)
+    env = cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {}))
+    return SGLangServer(args, env, log_path, forked=forked)
 
 
 @pytest.fixture

@@ -65,9 +65,9 @@ REJECTION_SAMPLING = ["--speculative-use-rejection-sampling", "--speculative-eag
 
 @pytest.fixture(scope="module")
 def argument_time_exits(perm, tmp_path_factory) -> dict[str, tuple[int | None, str]]:
-    """Every argument-time case as its own real TP=2 launcher, run to its exit a core's worth at a
-    time (each is one single-threaded import of SGLang): {case: (exit status or None if still
-    running after ARGUMENT_TIME_EXIT, log)}."""
+    """Every argument-time case as its own real TP=2 launcher (forked from a zygote that made the
+    launcher's first imports), run to its exit a core's worth at a time: {case: (exit status or
+    None if still running after ARGUMENT_TIME_EXIT, log)}."""
     tmp_path = tmp_path_factory.mktemp("argument-time")
     cases = {f"map {case}": (_write_map(tmp_path, case), []) for case in BAD_MAPS}
     cases |= {f"args {' '.join(extra)}": (perm.token_map("hot"), extra) for extra, _ in UNSUPPORTED}
@@ -75,7 +75,8 @@ def argument_time_exits(perm, tmp_path_factory) -> dict[str, tuple[int | None, s
 
     def launch(i: int, case: str) -> tuple[int | None, str]:
         token_map, extra = cases[case]
-        server = fixture_server(perm, 2, tmp_path / f"launch{i}.log", token_map, extra=tuple(extra)).start()
+        log = tmp_path / f"launch{i}.log"
+        server = fixture_server(perm, 2, log, token_map, extra=tuple(extra)).start()
         try:
             status = server.wait_exit(ARGUMENT_TIME_EXIT)
         except ServerError:

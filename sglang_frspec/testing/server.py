@@ -15,6 +15,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from sglang_frspec.testing.zygote import ForkedProcess, zygote_for
+
 # SGLang's warmup thread logs this last. With --skip-server-warmup it still POSTs /freeze_gc (a
 # 10 s read timeout) after /health turns 200; waiting for this line keeps test requests from
 # overlapping it on a loaded machine (sglang 0.5.23 http_server._wait_and_warmup).
@@ -88,19 +90,42 @@ def kill_tree(pid: int, grace: float = 10.0, *, graceful: bool = True) -> None:
         procs = alive
 
 
+LAUNCHER = "sglang.launch_server"
+# What the launcher imports before it loads plugins (sglang 0.5.23 launch_server.py): a forked
+# launcher loads them, and imports everything after, itself, as a fresh one does.
+LAUNCHER_PRELOAD = (
+    "sglang.srt.arg_groups.overrides",
+    "sglang.srt.plugins",
+    "sglang.srt.server_args",
+    "sglang.srt.utils",
+    "sglang.srt.utils.common",
+)
+
+
 class SGLangServer:
     """One ``sglang.launch_server`` process tree on a free loopback port.
 
-    Use as a context manager; ``log_path`` keeps the server's stdout and stderr.
+    Use as a context manager; ``log_path`` keeps the server's stdout and stderr. ``forked``
+    runs the launcher as a child of a zygote (``sglang_frspec.testing.zygote``) that has made
+    the launcher's first imports for this environment, instead of a new Python.
     """
 
-    def __init__(self, args: list[str], env: dict, log_path: str | Path, ready_timeout: float = 420.0):
+    def __init__(
+        self,
+        args: list[str],
+        env: dict,
+        log_path: str | Path,
+        ready_timeout: float = 420.0,
+        *,
+        forked: bool = False,
+    ):
         self.args = list(args)
         self.env = env
+        self.forked = forked
         self.log_path = Path(log_path)
         self.ready_timeout = ready_timeout
         self.port = free_port()
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
         level = args[args.index("--log-level") + 1] if "--log-level" in args else "info"
         self.logs_ready_line = level.lower() in ("debug", "info")
 
@@ -109,23 +134,18 @@ class SGLangServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> SGLangServer:
-        cmd = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            *self.args,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-        ]
+        args = [*self.args, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", LAUNCHER, *args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
-            log.write("$ " + " ".join(cmd) + "\n")
+            log.write(("$ (forked) " if self.forked else "$ ") + " ".join(cmd) + "\n")
             log.flush()
-            self.proc = subprocess.Popen(
-                cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            if self.forked:
+                self.proc = zygote_for(self.env, LAUNCHER_PRELOAD).run_module(LAUNCHER, args, self.log_path)
+            else:
+                self.proc = subprocess.Popen(
+                    cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
         return self
 
     def wait_ready(self) -> SGLangServer:
@@ -135,8 +155,9 @@ class SGLangServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 # The port was free when picked, but SGLang's own processes also bind random
-                # ports and may take it first: pick another one and start again.
-                if port_retries and "address already in use" in log_tail(self.log_path):
+                # ports and may take it first: pick another one and start again. (The whole log:
+                # uvicorn's bind error can sit mid-log, above a warm-up thread's traceback.)
+                if port_retries and "address already in use" in self.log():
                     port_retries -= 1
                     self.stop()
                     self.port = free_port()

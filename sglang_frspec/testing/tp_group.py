@@ -6,13 +6,16 @@ which publishes ``ServerArgs(device="cpu", tp_size=...)``, calls SGLang's
 ``function(payload)`` and sends back its (picklable) return value. A rank that raises or a group
 that outlives the timeout fails the call with every rank's traceback; all ranks are killed, so a
 rank stuck in a collective never hangs the caller.
+
+The ranks are forked from a zygote (``sglang_frspec.testing.zygote``) that has imported SGLang's
+distributed and server-args modules once for this environment, so a group does not pay an
+SGLang import per rank.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,9 +24,19 @@ from pathlib import Path
 
 from sglang_frspec.testing.cpu import cpu_env
 from sglang_frspec.testing.server import free_port, kill_tree
+from sglang_frspec.testing.zygote import zygote_for
 
 PORT_RETRIES = 3
 PORT_TAKEN = "EADDRINUSE"  # torch's TCPStore: "... name: EADDRINUSE, message: address already in use"
+# What every rank imports before its function runs (the cases' own imports are light after these).
+RANK_PRELOAD = (
+    "sglang.srt.distributed",
+    "sglang.srt.layers.logits_processor",
+    "sglang.srt.layers.vocab_parallel_embedding",
+    "sglang.srt.runtime_context",
+    "sglang.srt.server_args",
+    "sglang_frspec.testing.fixtures",
+)
 
 
 class TPGroupError(RuntimeError):
@@ -78,17 +91,9 @@ def _run_once(target: str, tp_size: int, payload, timeout: float, server_args: d
         logs = [Path(tmp, f"rank{r}.log") for r in range(tp_size)]
         procs = []
         try:
+            zygote = zygote_for(run_env, RANK_PRELOAD)
             for rank in range(tp_size):
-                with open(logs[rank], "w") as log:
-                    procs.append(
-                        subprocess.Popen(
-                            [sys.executable, "-m", __name__, str(spec), str(rank)],
-                            env=run_env,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                        )
-                    )
+                procs.append(zygote.run_module(__name__, [str(spec), str(rank)], logs[rank]))
             deadline = time.monotonic() + timeout
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 if any(p.poll() not in (None, 0) for p in procs):

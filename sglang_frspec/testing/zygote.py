@@ -1,0 +1,176 @@
+"""Fork test processes from a Python that has already imported SGLang (a *zygote*).
+
+Importing SGLang costs about 10 s of a 2-core machine, and the suite starts well over a hundred
+processes that each begin with that import. ``zygote_for(env, preload)`` starts (once per
+environment and preload list) a Python with exactly ``env`` that imports ``preload`` and waits;
+``run_module(module, args, log)`` then forks it, and the child runs ``python -m module *args``
+(``runpy``, as ``__main__``) in a session of its own, ``log`` as its stdout and stderr. The child
+is a new process that is as if started from scratch and paused after those imports: its own pid,
+session, SGLang state and ``multiprocessing`` children; only the import work is shared.
+``ForkedProcess`` answers ``pid``, ``poll``, ``wait``, ``send_signal`` and ``returncode`` as
+``subprocess.Popen`` does (the zygote reaps its children and records their exit status).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+MAX_ZYGOTES = 6  # each holds an imported SGLang (~0.5 GB); the least recently used goes beyond this
+# Left out of a zygote's environment: pytest changes it at every test phase, and no child reads it.
+PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
+
+
+class ForkedProcess:
+    """A child of a zygote, seen as ``subprocess.Popen`` sees its child."""
+
+    def __init__(self, pid: int, status_path: Path, zygote: subprocess.Popen):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._status_path = status_path
+        self._zygote = zygote
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self._status_path.exists():
+                self.returncode = int(self._status_path.read_text())
+            elif self._zygote.poll() is not None and not _exists(self.pid):
+                self.returncode = -1  # the zygote died first: init reaped the child, status unknown
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never signal a pid that may have been reused
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+
+class Zygote:
+    """Parent side of one zygote process."""
+
+    def __init__(self, env: dict, preload: tuple[str, ...]):
+        self._dir = Path(tempfile.mkdtemp(prefix="frspec-zygote-"))
+        self.log_path = self._dir / "zygote.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, *preload],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )  # it exits when its stdin closes: at close(), or when this process ends
+        self._lock = threading.Lock()
+        self._forks = 0
+
+    def run_module(self, module: str, args: list[str], log: Path) -> ForkedProcess:
+        """Fork ``python -m module *args``, appending its output to ``log``."""
+        with self._lock:
+            self._forks += 1
+            status = self._dir / f"status{self._forks}"
+            request = {"module": module, "args": list(args), "log": str(log), "status": str(status)}
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+                reply = self.proc.stdout.readline()
+            except BrokenPipeError:
+                reply = ""
+        if not reply:
+            raise RuntimeError(f"the zygote exited; its log:\n{self.log_path.read_text()[-4000:]}")
+        return ForkedProcess(int(reply), status, self.proc)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+_zygotes: dict[tuple, Zygote] = {}
+_zygotes_lock = threading.Lock()
+
+
+def zygote_for(env: dict, preload: tuple[str, ...]) -> Zygote:
+    """The live zygote started with exactly ``env`` (less ``PER_TEST_VARIABLES``) and ``preload``;
+    started now if there is none."""
+    env = {k: v for k, v in env.items() if k not in PER_TEST_VARIABLES}
+    key = (tuple(sorted(env.items())), preload)
+    with _zygotes_lock:
+        zygote = _zygotes.pop(key, None)
+        if zygote is None or zygote.proc.poll() is not None:
+            zygote = Zygote(env, preload)
+        _zygotes[key] = zygote  # most recently used last
+        while len(_zygotes) > MAX_ZYGOTES:
+            _zygotes.pop(next(iter(_zygotes))).close()
+        return zygote
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _serve(preload: list[str]) -> None:
+    """Zygote main: import ``preload``, then fork one child per request line; record exit statuses."""
+    import importlib
+
+    for module in preload:
+        importlib.import_module(module)
+    status_paths: dict[int, str] = {}
+
+    def reap(*_) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            Path(status_paths.pop(pid)).write_text(str(os.waitstatus_to_exitcode(status)))
+
+    signal.signal(signal.SIGCHLD, reap)
+    while line := sys.stdin.readline():
+        request = json.loads(line)
+        # No reaping between fork and recording the pid's status path.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        pid = os.fork()
+        if pid == 0:
+            _run_child(request)  # never returns
+        status_paths[pid] = request["status"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        print(pid, flush=True)
+
+
+def _run_child(request: dict) -> None:
+    """In the forked child: a session of its own, the log as stdout/stderr, then the module as
+    ``__main__``. Its exit (return, ``sys.exit`` or an exception) is the interpreter's own."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    os.setsid()  # kill_tree ends the child's own process group
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.close(log)
+    sys.argv = [request["module"], *request["args"]]  # run_module sets argv[0] to the module's file
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1:])

@@ -1,0 +1,88 @@
+"""The zygote's children behave as ``python -m module`` processes would (exit status, output,
+session, environment, argv), checked on a small module of the test's own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from sglang_frspec.testing.server import kill_tree
+from sglang_frspec.testing.zygote import zygote_for
+
+CHILD = """
+import json, os, sys, time
+import preloaded_marker
+mode = sys.argv[1]
+print(json.dumps({"argv": sys.argv[1:], "pid": os.getpid(), "pgid": os.getpgid(0),
+                  "marker": os.environ.get("ZYGOTE_MARKER"), "loaded_at": preloaded_marker.LOADED_AT,
+                  "main": __name__, "file": __file__}), flush=True)
+if mode == "exit":
+    sys.exit(int(sys.argv[2]))
+if mode == "raise":
+    raise ValueError("raised in the child")
+if mode == "sleep":
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def zygote(tmp_path):
+    (tmp_path / "zygote_child.py").write_text(CHILD)
+    (tmp_path / "preloaded_marker.py").write_text("import os\nLOADED_AT = os.getpid()\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), ZYGOTE_MARKER=str(tmp_path))
+    return zygote_for(env, ("preloaded_marker",))
+
+
+def _report(log) -> dict:
+    """The child's JSON line (the log may also hold a header and a traceback)."""
+    return json.loads(next(line for line in log.read_text().splitlines() if line.startswith("{")))
+
+
+def test_child_runs_the_module_as_main_with_its_argv_env_and_session(zygote, tmp_path):
+    log = tmp_path / "ok.log"
+    log.write_text("header\n")
+    child = zygote.run_module("zygote_child", ["exit", "0"], log)
+    assert child.wait(timeout=30) == 0
+    lines = log.read_text().splitlines()
+    assert lines[0] == "header"  # appended, as SGLangServer's command line stays first
+    report = _report(log)
+    assert report["argv"] == ["exit", "0"] and report["main"] == "__main__"
+    assert report["file"] == str(tmp_path / "zygote_child.py")
+    assert report["marker"] == str(tmp_path)  # the zygote's environment
+    assert report["pid"] == child.pid == report["pgid"] != os.getpid()  # its own session
+    assert report["loaded_at"] == zygote.proc.pid  # preloaded once, in the zygote, not re-imported
+
+
+def test_exit_status_is_the_childs_own(zygote, tmp_path):
+    assert zygote.run_module("zygote_child", ["exit", "3"], tmp_path / "three.log").wait(timeout=30) == 3
+    raised = zygote.run_module("zygote_child", ["raise"], tmp_path / "raise.log")
+    assert raised.wait(timeout=30) == 1
+    assert "ValueError: raised in the child" in (tmp_path / "raise.log").read_text()
+
+
+def test_a_signalled_child_reports_the_signal_and_poll_sees_it_running_before(zygote, tmp_path):
+    child = zygote.run_module("zygote_child", ["sleep"], tmp_path / "sleep.log")
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=1.0)
+    assert child.poll() is None
+    kill_tree(child.pid, graceful=False)
+    assert child.wait(timeout=30) == -signal.SIGKILL
+    terminated = zygote.run_module("zygote_child", ["sleep"], tmp_path / "term.log")
+    terminated.send_signal(signal.SIGTERM)
+    assert terminated.wait(timeout=30) == -signal.SIGTERM
+    terminated.send_signal(signal.SIGTERM)  # a no-op once it has exited, as Popen's
+
+
+def test_children_of_one_environment_share_a_zygote_and_a_new_environment_gets_its_own(zygote, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), ZYGOTE_MARKER=str(tmp_path))
+    assert zygote_for(env, ("preloaded_marker",)) is zygote
+    other = zygote_for(dict(env, ZYGOTE_MARKER="other"), ("preloaded_marker",))
+    assert other is not zygote
+    log = tmp_path / "other.log"
+    assert other.run_module("zygote_child", ["exit", "0"], log).wait(timeout=30) == 0
+    assert _report(log)["marker"] == "other"
+    assert _report(log)["loaded_at"] == other.proc.pid != zygote.proc.pid
