@@ -19,9 +19,10 @@ from tests.conftest import fixture_server
 
 pytestmark = pytest.mark.server
 # Argument-time failures exit from the launcher before any scheduler starts or model loads:
-# the time is Python start-up plus importing SGLang. Measured 29-32 s on the 2-core machine at
-# a load average of 13-17 (several engineers' tests at once); CI runs one launcher per core.
-# The bound is about 2x that worst case (a hang or a model load would exceed it).
+# the time is Python start-up plus importing SGLang. Measured 29-32 s for a new Python on the
+# 2-core machine at a load average of 13-17 (several engineers' tests at once); a launcher forked
+# from a zygote skips a part of the imports. The bound is about 2x that worst case (a hang or a
+# model load would exceed it).
 ARGUMENT_TIME_EXIT = 60
 # A failure found once the draft is loaded (schedulers spawned, both models loaded, then every
 # rank raises and the launcher exits): measured 82 s at the same load; about 2x again.
