@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from sglang_frspec.testing.server import kill_tree
-from sglang_frspec.testing.zygote import zygote_for
+from sglang_frspec.testing.zygote import fork_module, zygote_for
 
 CHILD = """
 import json, os, sys, time
@@ -19,6 +19,7 @@ import preloaded_marker
 mode = sys.argv[1]
 print(json.dumps({"argv": sys.argv[1:], "pid": os.getpid(), "pgid": os.getpgid(0),
                   "marker": os.environ.get("ZYGOTE_MARKER"), "loaded_at": preloaded_marker.LOADED_AT,
+                  "layout": os.environ.get("SGLANG_FRSPEC_LAYOUT"),
                   "main": __name__, "file": __file__}), flush=True)
 if mode == "exit":
     sys.exit(int(sys.argv[2]))
@@ -45,7 +46,7 @@ def _report(log) -> dict:
 def test_child_runs_the_module_as_main_with_its_argv_env_and_session(zygote, tmp_path):
     log = tmp_path / "ok.log"
     log.write_text("header\n")
-    child = zygote.run_module("zygote_child", ["exit", "0"], log)
+    child = zygote.run_module("zygote_child", ["exit", "0"], log, {})
     assert child.wait(timeout=30) == 0
     lines = log.read_text().splitlines()
     assert lines[0] == "header"  # appended, as SGLangServer's command line stays first
@@ -58,20 +59,20 @@ def test_child_runs_the_module_as_main_with_its_argv_env_and_session(zygote, tmp
 
 
 def test_exit_status_is_the_childs_own(zygote, tmp_path):
-    assert zygote.run_module("zygote_child", ["exit", "3"], tmp_path / "three.log").wait(timeout=30) == 3
-    raised = zygote.run_module("zygote_child", ["raise"], tmp_path / "raise.log")
+    assert zygote.run_module("zygote_child", ["exit", "3"], tmp_path / "three.log", {}).wait(timeout=30) == 3
+    raised = zygote.run_module("zygote_child", ["raise"], tmp_path / "raise.log", {})
     assert raised.wait(timeout=30) == 1
     assert "ValueError: raised in the child" in (tmp_path / "raise.log").read_text()
 
 
 def test_a_signalled_child_reports_the_signal_and_poll_sees_it_running_before(zygote, tmp_path):
-    child = zygote.run_module("zygote_child", ["sleep"], tmp_path / "sleep.log")
+    child = zygote.run_module("zygote_child", ["sleep"], tmp_path / "sleep.log", {})
     with pytest.raises(subprocess.TimeoutExpired):
         child.wait(timeout=1.0)
     assert child.poll() is None
     kill_tree(child.pid, graceful=False)
     assert child.wait(timeout=30) == -signal.SIGKILL
-    terminated = zygote.run_module("zygote_child", ["sleep"], tmp_path / "term.log")
+    terminated = zygote.run_module("zygote_child", ["sleep"], tmp_path / "term.log", {})
     terminated.send_signal(signal.SIGTERM)
     assert terminated.wait(timeout=30) == -signal.SIGTERM
     terminated.send_signal(signal.SIGTERM)  # a no-op once it has exited, as Popen's
@@ -83,6 +84,24 @@ def test_children_of_one_environment_share_a_zygote_and_a_new_environment_gets_i
     other = zygote_for(dict(env, ZYGOTE_MARKER="other"), ("preloaded_marker",))
     assert other is not zygote
     log = tmp_path / "other.log"
-    assert other.run_module("zygote_child", ["exit", "0"], log).wait(timeout=30) == 0
+    assert other.run_module("zygote_child", ["exit", "0"], log, {}).wait(timeout=30) == 0
     assert _report(log)["marker"] == "other"
     assert _report(log)["loaded_at"] == other.proc.pid != zygote.proc.pid
+
+
+@pytest.mark.usefixtures("zygote")  # writes the modules
+def test_late_variables_reach_the_child_and_share_one_zygote(tmp_path):
+    """Environments that differ only in LATE_VARIABLES fork from one zygote started without them;
+    each child sees its own values."""
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), ZYGOTE_MARKER=str(tmp_path))
+    reports = {}
+    for layout in ("local", "balanced"):
+        log = tmp_path / f"{layout}.log"
+        child = fork_module(env | {"SGLANG_FRSPEC_LAYOUT": layout}, ("preloaded_marker",), "zygote_child",
+                            ["exit", "0"], log)  # fmt: skip
+        assert child.wait(timeout=30) == 0
+        reports[layout] = _report(log)
+    assert [r["layout"] for r in reports.values()] == ["local", "balanced"]
+    # Both preloaded the marker in one process, neither child itself: one zygote.
+    assert reports["local"]["loaded_at"] == reports["balanced"]["loaded_at"]
+    assert reports["local"]["loaded_at"] not in (reports["local"]["pid"], reports["balanced"]["pid"])

@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from sglang_frspec.testing.zygote import ForkedProcess, zygote_for
+from sglang_frspec.testing.zygote import ForkedProcess, fork_module
 
 # SGLang's warmup thread logs this last. With --skip-server-warmup it still POSTs /freeze_gc (a
 # 10 s read timeout) after /health turns 200; waiting for this line keeps test requests from
@@ -141,7 +141,7 @@ class SGLangServer:
             log.write(("$ (forked) " if self.forked else "$ ") + " ".join(cmd) + "\n")
             log.flush()
             if self.forked:
-                self.proc = zygote_for(self.env, LAUNCHER_PRELOAD).run_module(LAUNCHER, args, self.log_path)
+                self.proc = fork_module(self.env, LAUNCHER_PRELOAD, LAUNCHER, args, self.log_path)
             else:
                 self.proc = subprocess.Popen(
                     cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from sglang_frspec.testing.cpu import cpu_env
 from sglang_frspec.testing.server import free_port, kill_tree
-from sglang_frspec.testing.zygote import zygote_for
+from sglang_frspec.testing.zygote import fork_module
 
 PORT_RETRIES = 3
 PORT_TAKEN = "EADDRINUSE"  # torch's TCPStore: "... name: EADDRINUSE, message: address already in use"
@@ -91,9 +91,8 @@ def _run_once(target: str, tp_size: int, payload, timeout: float, server_args: d
         logs = [Path(tmp, f"rank{r}.log") for r in range(tp_size)]
         procs = []
         try:
-            zygote = zygote_for(run_env, RANK_PRELOAD)
             for rank in range(tp_size):
-                procs.append(zygote.run_module(__name__, [str(spec), str(rank)], logs[rank]))
+                procs.append(fork_module(run_env, RANK_PRELOAD, __name__, [str(spec), str(rank)], logs[rank]))
             deadline = time.monotonic() + timeout
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 if any(p.poll() not in (None, 0) for p in procs):

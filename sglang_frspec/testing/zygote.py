@@ -1,10 +1,11 @@
 """Fork test processes from a Python that has already imported SGLang (a *zygote*).
 
 Importing SGLang costs about 10 s of a 2-core machine, and the suite starts well over a hundred
-processes that each begin with that import. ``zygote_for(env, preload)`` starts (once per
-environment and preload list) a Python with exactly ``env`` that imports ``preload`` and waits;
-``run_module(module, args, log)`` then forks it, and the child runs ``python -m module *args``
-(``runpy``, as ``__main__``) in a session of its own, ``log`` as its stdout and stderr. The child
+processes that each begin with that import. ``fork_module(env, preload, module, args, log)``
+starts (once per environment and preload list) a Python with ``env`` that imports ``preload``
+and waits, then forks it: the child runs ``python -m module *args`` (``runpy``, as ``__main__``)
+in a session of its own, ``log`` as its stdout and stderr, with exactly ``env`` (a few variables
+that no preloaded module reads at import, ``LATE_VARIABLES``, are set after the fork). The child
 is a new process that is as if started from scratch and paused after those imports: its own pid,
 session, SGLang state and ``multiprocessing`` children; only the import work is shared.
 ``ForkedProcess`` answers ``pid``, ``poll``, ``wait``, ``send_signal`` and ``returncode`` as
@@ -27,6 +28,15 @@ from pathlib import Path
 MAX_ZYGOTES = 6  # each holds an imported SGLang (~0.5 GB); the least recently used goes beyond this
 # Left out of a zygote's environment: pytest changes it at every test phase, and no child reads it.
 PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
+# Set in the child, after the fork, so that one zygote serves every value: no module a zygote
+# preloads reads them at import (SGLang reads SGLANG_PLUGINS in load_plugins and the thread binding
+# when a rank starts, sglang 0.5.23 plugins/__init__.py, utils/numa_utils.py; this plugin reads its
+# SGLANG_FRSPEC_* options in FrSpecOptions.from_env). Prefixes end with "_".
+LATE_VARIABLES = ("SGLANG_PLUGINS", "SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_FRSPEC_")
+
+
+def _is_late(name: str) -> bool:
+    return any(name.startswith(v) if v.endswith("_") else name == v for v in LATE_VARIABLES)
 
 
 class ForkedProcess:
@@ -77,12 +87,14 @@ class Zygote:
         self._lock = threading.Lock()
         self._forks = 0
 
-    def run_module(self, module: str, args: list[str], log: Path) -> ForkedProcess:
-        """Fork ``python -m module *args``, appending its output to ``log``."""
+    def run_module(self, module: str, args: list[str], log: Path, late_env: dict) -> ForkedProcess:
+        """Fork ``python -m module *args``, appending its output to ``log``; ``late_env`` (only
+        ``LATE_VARIABLES``) is added to the child's environment."""
         with self._lock:
             self._forks += 1
             status = self._dir / f"status{self._forks}"
-            request = {"module": module, "args": list(args), "log": str(log), "status": str(status)}
+            request = {"module": module, "args": list(args), "log": str(log), "status": str(status),
+                       "late_env": late_env}  # fmt: skip
             try:
                 self.proc.stdin.write(json.dumps(request) + "\n")
                 self.proc.stdin.flush()
@@ -102,9 +114,19 @@ _zygotes: dict[tuple, Zygote] = {}
 _zygotes_lock = threading.Lock()
 
 
+def fork_module(
+    env: dict, preload: tuple[str, ...], module: str, args: list[str], log: Path
+) -> ForkedProcess:
+    """``python -m module *args`` with ``env`` (less ``PER_TEST_VARIABLES``), forked from the
+    zygote of that environment (less ``LATE_VARIABLES``) and ``preload``."""
+    late = {k: v for k, v in env.items() if _is_late(k)}
+    early = {k: v for k, v in env.items() if k not in late}
+    return zygote_for(early, preload).run_module(module, args, log, late)
+
+
 def zygote_for(env: dict, preload: tuple[str, ...]) -> Zygote:
-    """The live zygote started with exactly ``env`` (less ``PER_TEST_VARIABLES``) and ``preload``;
-    started now if there is none."""
+    """The live zygote started with ``env`` (less ``PER_TEST_VARIABLES``) and ``preload``; started
+    now if there is none."""
     env = {k: v for k, v in env.items() if k not in PER_TEST_VARIABLES}
     key = (tuple(sorted(env.items())), preload)
     with _zygotes_lock:
@@ -141,7 +163,9 @@ def _serve(preload: list[str]) -> None:
                 return
             if pid == 0:
                 return
-            Path(status_paths.pop(pid)).write_text(str(os.waitstatus_to_exitcode(status)))
+            path = status_paths.pop(pid)
+            Path(path + ".tmp").write_text(str(os.waitstatus_to_exitcode(status)))
+            os.replace(path + ".tmp", path)  # never seen half-written
 
     signal.signal(signal.SIGCHLD, reap)
     while line := sys.stdin.readline():
@@ -167,6 +191,7 @@ def _run_child(request: dict) -> None:
     os.dup2(log, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.close(log)
+    os.environ.update(request["late_env"])  # absent from the zygote's environment: see LATE_VARIABLES
     sys.argv = [request["module"], *request["args"]]  # run_module sets argv[0] to the module's file
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     sys.exit(0)
