@@ -92,32 +92,19 @@ def fixture_server(
 
 @pytest.fixture
 def start_server(request, tmp_path):
-    """``start_server(fixture, tp, token_map=None, plugin=True, extra=(), env=None)``.
+    """``start_server(fixture, tp, token_map=None, *, wait=True, **options)``, ``options`` as
+    ``fixture_server``'s (plugin, extra, env, eagle).
 
-    Starts a real ``sglang.launch_server`` and waits until it is ready; every server is stopped
-    after the test (each on its own, also when another's stop fails or it already exited).
-    ``env`` adds variables to (never replaces) this process's environment. A failing test gets
-    every server's log tail attached to its report.
+    Starts a real ``sglang.launch_server`` and waits until it is ready (``wait=False``: returns
+    it started); every server is stopped after the test (each on its own, also when another's stop
+    fails or it already exited). A failing test gets every server's log tail attached to its report.
     """
     servers: list[SGLangServer] = []
     request.node.stash[_SERVERS_KEY] = servers
     teardown = contextlib.ExitStack()
 
-    def start(
-        fixture,
-        tp: int,
-        token_map: str | None = None,
-        *,
-        plugin: bool = True,
-        extra: tuple = (),
-        env: dict | None = None,
-        wait: bool = True,
-        eagle: bool = True,
-    ) -> SGLangServer:
-        server = fixture_server(
-            fixture, tp, tmp_path / f"server{len(servers)}.log", token_map,
-            plugin=plugin, extra=extra, env=env, eagle=eagle,
-        )  # fmt: skip
+    def start(fixture, tp: int, token_map: str | None = None, *, wait: bool = True, **options):
+        server = fixture_server(fixture, tp, tmp_path / f"server{len(servers)}.log", token_map, **options)
         servers.append(server)
         teardown.callback(server.stop)
         server.start()

@@ -14,6 +14,7 @@ session, SGLang state and ``multiprocessing`` children; only the import work is 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import runpy
@@ -73,7 +74,9 @@ class Zygote:
     """Parent side of one zygote process."""
 
     def __init__(self, env: dict, preload: tuple[str, ...]):
-        self._dir = Path(tempfile.mkdtemp(prefix="frspec-zygote-"))
+        # Removed when this process exits (not at close(): a child may still have a status to read).
+        self._tmp = tempfile.TemporaryDirectory(prefix="frspec-zygote-")
+        self._dir = Path(self._tmp.name)
         self.log_path = self._dir / "zygote.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
@@ -149,8 +152,6 @@ def _exists(pid: int) -> bool:
 
 def _serve(preload: list[str]) -> None:
     """Zygote main: import ``preload``, then fork one child per request line; record exit statuses."""
-    import importlib
-
     for module in preload:
         importlib.import_module(module)
     status_paths: dict[int, str] = {}
