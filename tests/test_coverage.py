@@ -33,14 +33,18 @@ from sglang_frspec.testing.server import plugin_activity
 VOCAB = 1000
 
 
-def reference_counts(batches, vocab: int) -> Counter:
-    """Per-id counts of the committed tokens, by slicing each row in plain Python."""
-    counted = Counter()
+def reference_counts(batches, vocab: int) -> tuple[Counter, Counter, int]:
+    """Per-id counts of the committed tokens and of the accepted drafts (all but the last committed
+    id of a row), and the rows that committed anything, by slicing each row in plain Python."""
+    committed, accepted, rows = Counter(), Counter(), 0
     for token_ids, accept_lens, stride in batches:
         ids = token_ids.tolist()
         for row, length in enumerate(accept_lens.tolist()):
-            counted.update(i for i in ids[row * stride : row * stride + length] if 0 <= i < vocab)
-    return counted
+            row_ids = ids[row * stride : row * stride + length]
+            committed.update(i for i in row_ids if 0 <= i < vocab)
+            accepted.update(i for i in row_ids[:-1] if 0 <= i < vocab)
+            rows += length > 0
+    return committed, accepted, rows
 
 
 def random_batch(gen: torch.Generator, rows: int, stride: int, dtype: torch.dtype):
@@ -62,20 +66,26 @@ def test_counts_equal_an_independent_count(dtype):
     batches = [random_batch(gen, rows, stride, dtype) for rows, stride in [(3, 4), (17, 4), (1, 4), (9, 3)]]
     for batch in batches:
         counter.add(*batch)
-    expected = reference_counts(batches, VOCAB)
+    expected, accepted, rows = reference_counts(batches, VOCAB)
     totals = counter.snapshot(with_counts=True).result()
     assert totals.counts.tolist() == [expected[i] for i in range(VOCAB)]
+    assert totals.accepted_counts.tolist() == [accepted[i] for i in range(VOCAB)]
     hot_set = set(hot.tolist())
     assert totals.committed == sum(expected.values()) > 0
     assert totals.in_map == sum(n for i, n in expected.items() if i in hot_set)
+    assert totals.accepted == sum(accepted.values()) > 0
+    assert totals.verify_rows == rows and totals.accept_length == totals.committed / rows
     assert counter.snapshot().result().counts is None  # per-id counts only when asked for
+    assert counter.snapshot().result().accepted_counts is None
+    # Each is a tensor of its own (torch.save writes a view's whole storage).
+    assert totals.counts.untyped_storage().nbytes() == VOCAB * 8
 
 
 def test_out_of_vocab_committed_ids_are_not_counted():
     counter = CommittedTokenCounts(torch.tensor([1, 2]), VOCAB)
     counter.add(torch.tensor([1, VOCAB, VOCAB + 7, -3]), torch.tensor([4]), 4)
     totals = counter.snapshot(with_counts=True).result()
-    assert (totals.committed, totals.in_map) == (1, 1)
+    assert (totals.committed, totals.in_map, totals.accepted, totals.verify_rows) == (1, 1, 1, 1)
 
 
 def test_a_snapshot_keeps_the_totals_of_its_time():
@@ -86,7 +96,7 @@ def test_a_snapshot_keeps_the_totals_of_its_time():
     assert earlier.ready()  # on the CPU the copy is made at once
     totals = earlier.result()
     assert (totals.committed, totals.in_map, totals.counts[5].item()) == (3, 1, 1)
-    assert counter.snapshot().result() == CoverageTotals(5, 3)
+    assert counter.snapshot().result() == CoverageTotals(5, 3, 2, 3)
 
 
 def test_a_changed_layout_is_a_clear_error():
@@ -116,9 +126,10 @@ def test_cuda_counts_on_a_side_stream_are_snapshotted_in_stream_order():
             counter.add(token_ids.cuda(non_blocking=True), accept_lens.cuda(non_blocking=True), stride)
     pending = counter.snapshot(with_counts=True)  # called from the default stream, as the scheduler does
     totals = pending.result()
-    expected = reference_counts(batches, VOCAB)
+    expected, accepted, rows = reference_counts(batches, VOCAB)
     assert totals.counts.tolist() == [expected[i] for i in range(VOCAB)]
-    assert totals.committed == sum(expected.values())
+    assert totals.accepted_counts.tolist() == [accepted[i] for i in range(VOCAB)]
+    assert (totals.committed, totals.verify_rows) == (sum(expected.values()), rows)
 
 
 @pytest.fixture
@@ -188,6 +199,28 @@ def committed_tokens(perm, outs) -> list[int]:
     return tokens
 
 
+def verify_steps(perm, outs, hot: set[int], steps: int = 2) -> tuple[list[int], int]:
+    """The accepted drafts and the number of verify steps, from the outputs alone: the permutation
+    draft proposes the chain, restricted to the map; so a step accepts the leading hot tokens (at
+    most ``steps``) of what is still to come and commits the next one as its bonus token. Checked
+    against SGLang's per-request verify count."""
+    accepted, total_steps = [], 0
+    for s, out in zip(STARTS, outs):
+        meta = out["meta_info"]
+        tokens = perm.chain[s + 4 : s + 4 + meta["spec_num_correct_drafts"] + meta["spec_verify_ct"]]
+        i = request_steps = 0
+        while i < len(tokens):
+            drafted = 0
+            while drafted < steps and i + drafted < len(tokens) and tokens[i + drafted] in hot:
+                drafted += 1
+            accepted += tokens[i : i + drafted]
+            i += drafted + 1  # and the bonus token
+            request_steps += 1
+        assert (i, request_steps) == (len(tokens), meta["spec_verify_ct"]), (s, i, request_steps, meta)
+        total_steps += request_steps
+    return accepted, total_steps
+
+
 def metric(text: str, name: str) -> list[tuple[str, float]]:
     return [(m[1], float(m[2])) for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M)]
 
@@ -241,6 +274,17 @@ def test_tp2_coverage_in_the_log_metrics_and_counts_file_equals_the_outputs(perm
     saved = TokenCounts.load(counts_path)
     assert saved.counts.tolist() == [expected[i] for i in range(perm.vocab_size)]
     assert saved.eos_token_ids == (2,) and saved.tokenizer == perm.target
+    drafts, rows = verify_steps(perm, outs, hot)
+    assert 0 < len(drafts) < len(tokens)
+    assert saved.accepted.tolist() == [Counter(drafts)[i] for i in range(perm.vocab_size)]
+    assert saved.speculative == {
+        "verify_rows": rows,
+        "accept_length": len(tokens) / rows,
+        "num_steps": 2,
+        "topk": 2,
+        "num_draft_tokens": 4,
+        "hot_ids": len(hot),
+    }
     report = json.loads(cli("inspect", token_map, "--counts", str(counts_path), "--json").stdout)
     assert report["counts"]["num_tokens"] == len(tokens)
     assert report["counts"]["coverage"] == pytest.approx(in_map / len(tokens))

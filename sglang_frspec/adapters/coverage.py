@@ -28,7 +28,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from sglang.srt.runtime_context import get_parallel, get_serving
+from sglang.srt.runtime_context import get_parallel, get_serving, get_spec
 
 from sglang_frspec.core.coverage import CommittedTokenCounts, CoverageTotals, PendingSnapshot
 
@@ -102,7 +102,7 @@ def report_after_decode_stats(result, reporter, *args, **kwargs):
     if coverage.pending is not None and coverage.pending.ready():
         totals, coverage.pending = coverage.pending.result(), None
         if _writes_counts(coverage):
-            write_counts(totals, coverage.counts_path, reporter.scheduler)
+            write_counts(totals, coverage, reporter.scheduler)
         if _exports_metrics(reporter):
             _export(coverage, totals, reporter.metrics_collector)
         if reporter.is_stats_logging_rank:
@@ -117,7 +117,7 @@ def flush_after_release(result, scheduler, *args, **kwargs):
         return result
     totals = coverage.counts.snapshot(with_counts=_writes_counts(coverage)).result()
     if _writes_counts(coverage):
-        write_counts(totals, coverage.counts_path, scheduler)
+        write_counts(totals, coverage, scheduler)
     parallel = get_parallel()
     logger.info(
         "sglang-frspec: at shutdown, TP rank %d of %d: %s",
@@ -150,12 +150,16 @@ def _export(coverage: HotCoverage, totals: CoverageTotals, collector) -> None:
     coverage.exported = CoverageTotals(totals.committed, totals.in_map)
 
 
-def write_counts(totals: CoverageTotals, path: str, scheduler) -> None:
-    """Save the per-id counts as a ``build-map`` counts file: written beside, then renamed over."""
+def write_counts(totals: CoverageTotals, coverage: HotCoverage, scheduler) -> None:
+    """Save the per-id counts as a ``build-map`` counts file: written beside, then renamed over.
+
+    With them go the accepted drafts per id and the speculative settings, which ``size`` uses to
+    model what a smaller map would keep of this server's acceptance."""
     from sglang_frspec.maps.counting import TokenCounts
 
     eos = scheduler.model_config.hf_eos_token_id or ()
-    partial = f"{path}.partial"
+    spec = get_spec()
+    partial = f"{coverage.counts_path}.partial"
     TokenCounts(
         counts=totals.counts,
         num_documents=0,  # serving counts are not split by request
@@ -163,5 +167,14 @@ def write_counts(totals: CoverageTotals, path: str, scheduler) -> None:
         eos_token_ids=tuple(sorted(eos)),
         corpus=(COUNTS_CORPUS,),
         text_field="",
+        accepted=totals.accepted_counts,
+        speculative={
+            "verify_rows": totals.verify_rows,
+            "accept_length": totals.accept_length,
+            "num_steps": spec.speculative_num_steps,
+            "topk": spec.speculative_eagle_topk,
+            "num_draft_tokens": spec.speculative_num_draft_tokens,
+            "hot_ids": int(coverage.counts.hot_ids.numel()),
+        },
     ).save(partial)
-    os.replace(partial, path)  # a reader (or a crash) never sees half a file
+    os.replace(partial, coverage.counts_path)  # a reader (or a crash) never sees half a file

@@ -1,12 +1,14 @@
 """Coverage of a token map over the tokens the target commits, counted on the device.
 
 A draft with a token map can only propose hot ids, so the share of committed tokens that are hot
-is the ceiling of what its proposals can match. ``CommittedTokenCounts`` keeps one int64 counter
-per token id on the device and adds a verify step's committed tokens (for each request, the
-accepted draft tokens and the bonus token: the first ``accept_lens[i]`` ids of row i) with a few
-fixed-shape kernels and no host sync. Totals (committed, in the map) are derived from the
-counters, so the hot set costs nothing per step. ``snapshot()`` copies them to the host in stream
-order without waiting; ``PendingSnapshot.ready()`` says when the copy has landed.
+is the ceiling of what its proposals can match. ``CommittedTokenCounts`` keeps int64 counters per
+token id on the device and adds a verify step's committed tokens (for each request, the accepted
+draft tokens and the bonus token: the first ``accept_lens[i]`` ids of row i) with a few
+fixed-shape kernels and no host sync. It counts the accepted draft tokens (the first
+``accept_lens[i] - 1``) and the verified request-steps too: which ids the drafts get right is what
+a smaller map would lose, and committed tokens per request-step is the accept length. Totals are
+derived from the counters, so the hot set costs nothing per step. ``snapshot()`` copies them to the
+host in stream order without waiting; ``PendingSnapshot.ready()`` says when the copy has landed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ class CoverageTotals:
 
     committed: int
     in_map: int
+    accepted: int = 0  # of the committed tokens, the accepted draft tokens (the rest are bonus tokens)
+    verify_rows: int = 0  # request-steps verified: each commits its accepted drafts and one bonus token
     counts: torch.Tensor | None = None  # int64 [vocab_size] on the CPU, when asked for
+    accepted_counts: torch.Tensor | None = None  # int64 [vocab_size]: the accepted drafts per id
+
+    @property
+    def accept_length(self) -> float | None:
+        """Committed tokens per verified request-step: SGLang's ``spec_accept_length`` over all requests."""
+        return self.committed / self.verify_rows if self.verify_rows else None
 
     @property
     def coverage(self) -> float | None:
@@ -42,8 +52,8 @@ class PendingSnapshot:
     """Totals copied to the host in the order of the stream that counts; ``result()`` reads them."""
 
     def __init__(self, totals: torch.Tensor, counts: torch.Tensor | None, event):
-        self._totals = totals  # int64 [2] on the host (pinned on CUDA)
-        self._counts = counts  # int64 [vocab_size] on the host, or None
+        self._totals = totals  # int64 [4] on the host (pinned on CUDA)
+        self._counts = counts  # int64 [2, vocab_size] on the host (committed, accepted), or None
         self._event = event  # a CUDA event recorded after the copies; None when already on the host
 
     def ready(self) -> bool:
@@ -54,12 +64,14 @@ class PendingSnapshot:
         """The totals at the time of ``snapshot()`` (waits for the copies if they are not ready)."""
         if self._event is not None:
             self._event.synchronize()
-        committed, in_map = self._totals.tolist()
-        return CoverageTotals(committed, in_map, self._counts)
+        committed, in_map, accepted, verify_rows = self._totals.tolist()
+        # Own copies, not views of one [2, V] storage (torch.save would write all of it for each).
+        counts, accepted_counts = (None, None) if self._counts is None else (r.clone() for r in self._counts)
+        return CoverageTotals(committed, in_map, accepted, verify_rows, counts, accepted_counts)
 
 
 class CommittedTokenCounts:
-    """Per-id counts of committed tokens on the device, updated without host syncs."""
+    """Per-id counts of committed tokens (and of accepted drafts) on the device, without host syncs."""
 
     def __init__(self, hot_ids: torch.Tensor, vocab_size: int):
         if hot_ids.dtype != torch.int64 or hot_ids.dim() != 1:
@@ -69,9 +81,11 @@ class CommittedTokenCounts:
         self.vocab_size = vocab_size
         self.hot_ids = hot_ids
         device = hot_ids.device
-        # Slot vocab_size (the overflow) collects the positions past each row's accept length and
-        # any id outside the vocab, which must not index out of bounds; it is never reported.
-        self.counts = torch.zeros(vocab_size + 1, dtype=torch.int64, device=device)
+        # Row 0 counts committed tokens, row 1 accepted drafts. Slot vocab_size (the overflow) of
+        # each row collects the positions past the row's length and any id outside the vocab,
+        # which must not index out of bounds; it is never reported.
+        self.counts = torch.zeros(2, vocab_size + 1, dtype=torch.int64, device=device)
+        self.verify_rows = torch.zeros((), dtype=torch.int64, device=device)
         self._positions = torch.arange(0, dtype=torch.int64, device=device)
         self._ones = torch.ones(0, dtype=torch.int64, device=device)
         self._stream = None  # the CUDA stream of the last update: snapshots are ordered after it
@@ -87,14 +101,18 @@ class CommittedTokenCounts:
             )
         if self._positions.numel() != stride:  # fixed per server; reallocated only if it changes
             self._positions = torch.arange(stride, dtype=torch.int64, device=self.counts.device)
-        if self._ones.numel() < token_ids.numel():  # grows to the largest batch seen
-            self._ones = torch.ones(token_ids.numel(), dtype=torch.int64, device=self.counts.device)
-        committed = self._positions < accept_lens.unsqueeze(1)
-        slots = torch.where(committed, token_ids.view(rows, stride), -1)
-        # Uncommitted positions and ids outside [0, vocab_size) (SGLang's "NaN happened" ids) go
+        if self._ones.numel() < 2 * token_ids.numel():  # grows to the largest batch seen
+            self._ones = torch.ones(2 * token_ids.numel(), dtype=torch.int64, device=self.counts.device)
+        lengths = accept_lens.to(torch.int64).unsqueeze(1)
+        # Committed: the first accept_lens[i] positions; accepted drafts: all of them but the bonus.
+        counted = torch.stack((self._positions < lengths, self._positions < lengths - 1))
+        slots = torch.where(counted, token_ids.view(1, rows, stride), -1)
+        # Uncounted positions and ids outside [0, vocab_size) (SGLang's "NaN happened" ids) go
         # to the overflow slot: clamp to [-1, vocab_size], then -1 wraps to vocab_size.
         slots.clamp_(-1, self.vocab_size).remainder_(self.vocab_size + 1)
-        self.counts.index_add_(0, slots.view(-1), self._ones[: token_ids.numel()])
+        slots[1] += self.vocab_size + 1  # into row 1 of the flattened counters
+        self.counts.view(-1).index_add_(0, slots.view(-1), self._ones[: 2 * token_ids.numel()])
+        self.verify_rows += (accept_lens > 0).sum()
         if self.counts.is_cuda:
             self._stream = torch.cuda.current_stream(self.counts.device)
 
@@ -102,20 +120,20 @@ class CommittedTokenCounts:
         """Start copying the totals (and the per-id counts) to the host; never blocks."""
         if not self.counts.is_cuda:
             return PendingSnapshot(
-                self._totals(), self.counts[: self.vocab_size].clone() if with_counts else None, None
+                self._totals(), self.counts[:, : self.vocab_size].clone() if with_counts else None, None
             )
         stream = self._stream or torch.cuda.current_stream(self.counts.device)
         with torch.cuda.stream(stream):
-            totals = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            totals = torch.empty(4, dtype=torch.int64, pin_memory=True)
             totals.copy_(self._totals(), non_blocking=True)
             counts = None
             if with_counts:
-                counts = torch.empty(self.vocab_size, dtype=torch.int64, pin_memory=True)
-                counts.copy_(self.counts[: self.vocab_size], non_blocking=True)
+                counts = torch.empty(2, self.vocab_size, dtype=torch.int64, pin_memory=True)
+                counts.copy_(self.counts[:, : self.vocab_size], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return PendingSnapshot(totals, counts, event)
 
     def _totals(self) -> torch.Tensor:
-        counted = self.counts[: self.vocab_size]
-        return torch.stack((counted.sum(), counted[self.hot_ids].sum()))
+        committed, accepted = self.counts[:, : self.vocab_size]
+        return torch.stack((committed.sum(), committed[self.hot_ids].sum(), accepted.sum(), self.verify_rows))

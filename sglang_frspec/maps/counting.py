@@ -37,6 +37,11 @@ class TokenCounts:
     # Set for counts of a server's outputs (build-map --from-server): the server, the generation
     # settings and which prompts are counted; see maps.server_counts.
     server: dict | None = None
+    # Set for counts of a serving EAGLE worker (SGLANG_FRSPEC_COUNTS): per id, how many of the
+    # counted tokens were accepted draft tokens (the rest are bonus tokens), and the speculative
+    # settings they were served with (verify_rows, accept_length, num_steps, topk, hot_ids).
+    accepted: torch.Tensor | None = None
+    speculative: dict | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +73,8 @@ class TokenCounts:
                 "corpus": list(self.corpus),
                 "text_field": self.text_field,
                 "server": self.server,
+                "accepted": self.accepted,
+                "speculative": self.speculative,
             },
             path,
         )
@@ -95,7 +102,10 @@ class TokenCounts:
             eos_token_ids=tuple(saved["eos_token_ids"]),
             corpus=tuple(saved["corpus"]),
             text_field=saved["text_field"],
-            server=saved.get("server"),  # absent from corpus counts saved before it existed
+            # Absent from counts saved before they existed:
+            server=saved.get("server"),
+            accepted=saved.get("accepted"),
+            speculative=saved.get("speculative"),
         )
 
 
