@@ -67,6 +67,45 @@ def test_estimates_match_the_counts_and_the_plan(layout):
     assert estimates[-1].coverage == 1.0 and estimates[-1].accept_length == pytest.approx(2.5)
 
 
+def test_accepted_draft_counts_give_the_drafts_kept():
+    """Serving counts: acceptance scales with the share of accepted drafts a map keeps, not with its
+    coverage. Drafts here are accepted mostly on frequent ids, so a small map keeps more of them than
+    it covers of the committed tokens."""
+    counts = zipf_counts()
+    accepted = counts * counts // counts.max()  # skewed further towards the frequent ids
+    sizes = [32, 256, VOCAB]
+    estimates = estimate_sizes(
+        counts, VOCAB, 64, 2, sizes, accept_length=2.4, draft_steps=3, accepted=accepted, head_share=0.2
+    )
+    ranked = sorted(range(VOCAB), key=lambda i: (-int(counts[i]), i))
+    alpha = acceptance_rate(2.4, 3)
+    for e in estimates:
+        top = torch.tensor(ranked[: e.size])
+        assert e.drafts_kept == pytest.approx(float(accepted[top].sum() / accepted.sum()))
+        assert e.accept_length == pytest.approx(chain_accept_length(alpha * e.drafts_kept, 3))
+    assert estimates[0].drafts_kept > estimates[0].coverage
+    assert estimates[-1].drafts_kept == 1.0 and estimates[-1].accept_length == pytest.approx(2.4)
+    without = estimate_sizes(counts, VOCAB, 64, 2, sizes, accept_length=2.4, draft_steps=3, head_share=0.2)
+    assert [e.drafts_kept for e in without] == [e.coverage for e in without]
+    assert estimates[0].accept_length > without[0].accept_length
+
+
+def test_given_maps_are_modelled_but_not_recommended():
+    counts = zipf_counts()
+    gen = torch.Generator().manual_seed(3)
+    scattered = torch.randperm(VOCAB, generator=gen)[:700].sort().values
+    estimates = estimate_sizes(
+        counts, VOCAB, 64, 4, [700], accept_length=2.0, draft_steps=3, token_maps={"mine.pt": scattered}
+    )
+    top, mine = estimates
+    assert (top.token_map, mine.token_map, mine.size) == (None, "mine.pt", 700)
+    assert mine.coverage == pytest.approx(float(counts[scattered].sum() / counts.sum()))
+    assert mine.columns == plan_hot_shards(scattered, VOCAB, 4, layout="balanced").width
+    assert mine.coverage < top.coverage and mine.speedup < top.speedup  # the top 700 cover the most
+    assert recommend(estimates) is top
+    assert recommend([mine]) is mine  # nothing else to recommend
+
+
 def test_recommend_takes_the_best_speedup_and_the_smaller_size_on_a_tie():
     counts = zipf_counts()
     estimates = estimate_sizes(
@@ -158,6 +197,27 @@ def test_cli_prints_the_table_and_the_recommendation(tmp_path, capsys):
     assert f"{best['size']:>8} {best['coverage']:>8.2%}" in text and "<- recommended" in text
     assert [s["size"] for s in report["sizes"]] == [64, 128, 256, 512, 1024, 2048, 4096, VOCAB]
     assert (tmp_path / "size.png").stat().st_size > 10_000
+
+
+def test_cli_on_serving_counts_takes_their_accept_length_and_steps(tmp_path, capsys):
+    counts = zipf_counts()
+    path = str(tmp_path / "served.counts.pt")
+    served = {"verify_rows": 100, "accept_length": 2.25, "num_steps": 2, "topk": 1, "hot_ids": 4096}
+    TokenCounts(counts, 0, None, (2,), ("served",), "", accepted=counts // 2, speculative=served).save(path)
+    token_map = str(tmp_path / "map.pt")
+    torch.save(torch.arange(300, 0, -1), token_map)
+    args = ["size", "--counts", path, "--vocab-size", str(VOCAB), "--hidden", "64", "--tp", "2"]
+    assert main([*args, "--sizes", "256", "--map", token_map, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["accept_length"], report["draft_steps"]) == (2.25, 2)
+    assert "accepted drafts kept" in report["acceptance"] and "4096-id map" in report["acceptance"]
+    assert [(s["size"], s["token_map"]) for s in report["sizes"]] == [(256, None), (300, token_map)]
+    assert main([*args, "--sizes", "256", "--map", token_map, "--accept-length", "3.0"]) == 0
+    text = capsys.readouterr().out
+    assert "accept length 3 over 2 steps" in text and text.count(token_map) == 1
+    torch.save(torch.tensor([1, VOCAB + 3]), token_map)
+    assert main([*args, "--map", token_map]) == 2
+    assert f"id(s) >= the target's vocab size {VOCAB}" in capsys.readouterr().err
 
 
 def test_cli_refuses_a_bad_accept_length(tmp_path, capsys):

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sglang_frspec.cli import main
+from sglang_frspec.core.options import COUNTS_ENV
+from sglang_frspec.maps.sizing import acceptance_rate, chain_accept_length
 from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
 from sglang_frspec.testing.greedy import compare_greedy
 from sglang_frspec.testing.server import SGLangServer
@@ -120,3 +123,47 @@ def test_size_model_orders_map_sizes_as_measured(trained, stock_tp1, capsys):
     ]
     assert pairs, measured  # the sizes must matter, else this compares nothing
     assert all(modelled[a] > modelled[b] for a, b in pairs), (measured, modelled)
+
+
+@pytest.mark.server
+def test_size_model_on_served_counts_tracks_measured_accept_lengths(
+    trained, prompts, stock_tp1, start_server, tmp_path, capsys
+):
+    """Counts from serving the same prompts (this plugin at TP=1, with the 2048-id map, which holds
+    every id the target emits) hold the accepted drafts per id. On them `size --map` models each
+    measured map from the drafts it keeps: it orders every pair of maps whose measured accept
+    lengths differ, and where a map loses acceptance it is closer to the measured loss than
+    scaling acceptance by coverage is."""
+    counts = tmp_path / "served.counts.pt"
+    server = start_server(trained, 1, trained.token_map("code_2048"), env={COUNTS_ENV: str(counts)})
+    server.generate(prompts, NEW)
+    server.proc.send_signal(signal.SIGTERM)  # graceful: the final counts are written
+    server.proc.wait(timeout=120)
+    measured = {size: sum(accept) / len(accept) for size, (_, accept) in stock_tp1.items()}
+    measured = {size: accept / measured[2048] for size, accept in measured.items()}  # vs all ids kept
+
+    maps = {trained.token_map(f"code_{size}"): size for size in STOCK_SIZES}
+    args = ["size", "--counts", str(counts), "--model-path", trained.target, "--hidden", "128"]
+    assert main([*args, "--tp", "1", "--sizes", "2048", "--map", *maps, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["draft_steps"] == STEPS and "accepted drafts kept" in report["acceptance"]
+    served, alpha = report["accept_length"], acceptance_rate(report["accept_length"], STEPS)
+    rows = {maps[e["token_map"]]: e for e in report["sizes"] if e["token_map"]}
+    modelled = {size: e["accept_length"] / served for size, e in rows.items()}
+    by_coverage = {
+        size: chain_accept_length(alpha * e["coverage"], STEPS) / served for size, e in rows.items()
+    }
+    pairs = [
+        (a, b) for a in STOCK_SIZES for b in STOCK_SIZES if measured[a] > measured[b] + ACCEPT_RESOLUTION
+    ]
+    assert pairs, measured
+    assert all(modelled[a] > modelled[b] for a, b in pairs), (measured, modelled)
+    losing = [size for size in STOCK_SIZES if measured[size] < 1 - ACCEPT_RESOLUTION]
+    assert losing, measured
+    for size in losing:
+        assert abs(modelled[size] - measured[size]) < abs(by_coverage[size] - measured[size]), (
+            size,
+            measured,
+            modelled,
+            by_coverage,
+        )

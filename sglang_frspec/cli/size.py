@@ -6,7 +6,7 @@ import argparse
 import json
 
 from sglang_frspec.cli.inspect_map import coverage_sizes
-from sglang_frspec.core import LAYOUTS
+from sglang_frspec.core import LAYOUTS, canonical_hot_ids, read_token_map
 from sglang_frspec.core.plan import DEFAULT_VOCAB_PADDING_SIZE
 from sglang_frspec.maps import TokenCounts
 from sglang_frspec.maps.errors import MapBuildError
@@ -30,8 +30,10 @@ def add_parser(subparsers) -> None:
         "from serving with SGLANG_FRSPEC_COUNTS): the share of counted tokens it covers, the draft-head "
         "rows and bytes on the slowest rank (from the TP plan), and a modelled accept length and "
         "speed-up over EAGLE without a map. The model (see docs/token-maps.md): per-token acceptance "
-        "scales with coverage; the head's share of a speculative step (--head-share) shrinks with the "
-        "plan's width. The size with the best modelled speed-up is recommended.",
+        "scales with the share of accepted drafts the map keeps (measured in serving counts; taken as "
+        "the coverage for other counts, which is pessimistic for small maps); the head's share of a "
+        "speculative step (--head-share) shrinks with the plan's width. The size with the best "
+        "modelled speed-up is recommended.",
     )
     p.add_argument("--counts", required=True, metavar="FILE", help="counts file (build-map or serving)")
     vocab = p.add_mutually_exclusive_group(required=True)
@@ -42,13 +44,22 @@ def add_parser(subparsers) -> None:
     p.add_argument("--layout", choices=LAYOUTS, default="balanced")
     p.add_argument("--sizes", type=int, nargs="+", help="sizes to compare (default: powers of two and V)")
     p.add_argument(
-        "--accept-length",
-        type=float,
-        default=3.0,
-        help="spec_accept_length measured without a map (default 3.0: replace with yours)",
+        "--map",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="also model these token-map files (e.g. the one you serve) on the same counts",
     )
     p.add_argument(
-        "--draft-steps", type=int, default=3, help="--speculative-num-steps of that measurement (default 3)"
+        "--accept-length",
+        type=float,
+        help="spec_accept_length measured without a map, or with the map that serving counts were "
+        "served with (default: serving counts' own; else 3.0: replace with yours)",
+    )
+    p.add_argument(
+        "--draft-steps",
+        type=int,
+        help="--speculative-num-steps of that measurement (default: serving counts' own; else 3)",
     )
     p.add_argument(
         "--head-share",
@@ -74,17 +85,19 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def format_report(estimates: list[SizeEstimate], best: SizeEstimate, header: str) -> str:
+def format_report(estimates: list[SizeEstimate], best: SizeEstimate, header: str, kept: bool) -> str:
+    """The table; ``kept``: with the drafts-kept column (counts with accepted drafts)."""
     lines = [
         header,
-        f"{'size':>8} {'coverage':>9} {'columns':>8} {'head MiB':>9} {'head cost':>9} {'step time':>9} "
-        f"{'accept':>6} {'speed-up':>8}",
+        f"{'size':>8} {'coverage':>9}{' drafts kept' if kept else ''} {'columns':>8} {'head MiB':>9} "
+        f"{'head cost':>9} {'step time':>9} {'accept':>6} {'speed-up':>8}",
     ]
     for e in estimates:
-        mark = "  <- recommended" if e is best else ""
+        mark = "  <- recommended" if e is best else f"  {e.token_map}" if e.token_map else ""
         lines.append(
-            f"{e.size:>8} {e.coverage:>8.2%} {e.columns:>8} {e.head_mib:>9.2f} {e.head_cost:>9.3f} "
-            f"{e.step_time:>9.3f} {e.accept_length:>6.2f} {e.speedup:>7.3f}x{mark}"
+            f"{e.size:>8} {e.coverage:>8.2%}{f' {e.drafts_kept:>11.2%}' if kept else ''} {e.columns:>8} "
+            f"{e.head_mib:>9.2f} {e.head_cost:>9.3f} {e.step_time:>9.3f} {e.accept_length:>6.2f} "
+            f"{e.speedup:>7.3f}x{mark}"
         )
     lines.append(
         f"recommended: {best.size} ids: covers {best.coverage:.2%} of the counted tokens (loses "
@@ -101,6 +114,7 @@ def plot(estimates: list[SizeEstimate], best: SizeEstimate, path: str) -> None:
         raise MapBuildError("--plot needs matplotlib: pip install matplotlib") from e
     figure = Figure(figsize=(7.5, 4.5), layout="constrained")
     axes = figure.subplots()
+    estimates = [e for e in estimates if e.token_map is None]  # the curves are over sizes
     sizes = [e.size for e in estimates]
     axes.plot(sizes, [e.coverage for e in estimates], "-o", label="coverage of counted tokens")
     axes.plot(
@@ -119,18 +133,39 @@ def plot(estimates: list[SizeEstimate], best: SizeEstimate, path: str) -> None:
     figure.savefig(path, dpi=120)
 
 
+def has_accepted_drafts(counts: TokenCounts) -> bool:
+    return counts.accepted is not None and bool(counts.accepted.sum())
+
+
+def acceptance_source(counts: TokenCounts) -> str:
+    """Where the modelled acceptance comes from, for the report's header."""
+    if not has_accepted_drafts(counts):
+        return "acceptance scaled by coverage (counts without accepted drafts: pessimistic for small maps)"
+    served = counts.speculative or {}
+    return (
+        f"acceptance scaled by the accepted drafts kept ({int(counts.accepted.sum()):,} counted, served "
+        f"with a {served.get('hot_ids', '?')}-id map, topk {served.get('topk', '?')})"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     counts = TokenCounts.load(args.counts)
     vocab_size = args.vocab_size if args.vocab_size is not None else vocab_size_of(args.model_path)
     cost_model = calibrated_cost_model(args.calibration, args.tp) if args.calibration else HeadCostModel()
+    served = counts.speculative or {}
+    accept_length = args.accept_length or served.get("accept_length") or 3.0
+    draft_steps = args.draft_steps or served.get("num_steps") or 3
+    token_maps = {path: canonical_hot_ids(read_token_map(path), vocab_size, path).ids for path in args.map}
     estimates = estimate_sizes(
         counts.counts,
         vocab_size,
         args.hidden,
         args.tp,
         args.sizes or coverage_sizes(counts.id_space, counts.id_space),
-        accept_length=args.accept_length,
-        draft_steps=args.draft_steps,
+        accept_length=accept_length,
+        draft_steps=draft_steps,
+        accepted=counts.accepted,
+        token_maps=token_maps,
         layout=args.layout,
         dtype_bytes=args.dtype_bytes,
         head_share=args.head_share,
@@ -143,14 +178,21 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(
             json.dumps(
-                {"recommended": best.size, "cost_model": cost_model.source, "sizes": as_dicts(estimates)}
+                {
+                    "recommended": best.size,
+                    "cost_model": cost_model.source,
+                    "accept_length": accept_length,
+                    "draft_steps": draft_steps,
+                    "acceptance": acceptance_source(counts),
+                    "sizes": as_dicts(estimates),
+                }
             )
         )
         return 0
     header = (
         f"counts {args.counts}: {counts.num_tokens:,} tokens; vocab {vocab_size}, hidden {args.hidden}, "
-        f"tp {args.tp} ({args.layout}); no-map accept length {args.accept_length} over {args.draft_steps} "
-        f"steps; head share {args.head_share}; head cost: {cost_model.source}"
+        f"tp {args.tp} ({args.layout}); accept length {accept_length:.3g} over {draft_steps} steps; "
+        f"{acceptance_source(counts)}; head share {args.head_share}; head cost: {cost_model.source}"
     )
-    print(format_report(estimates, best, header))
+    print(format_report(estimates, best, header, kept=has_accepted_drafts(counts)))
     return 0

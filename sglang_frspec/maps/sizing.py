@@ -1,16 +1,23 @@
 """Choosing a map size: coverage from counts, head cost from the plan, and a speed model joining them.
 
-The model, per candidate size N (the N most frequent counted ids):
-- coverage c(N): the share of counted tokens inside the map. A draft can only propose ids in the
-  map, so a committed token outside it can never be drafted; the model takes the per-token
-  acceptance as ``alpha(N) = alpha * c(N)``, where ``alpha`` (no map) is solved from a measured
-  accept length L of chain drafting with k steps: ``L = (1 - alpha^(k+1)) / (1 - alpha)``.
-- head cost h(N): the slowest rank's draft-head work relative to the full-vocab shard, from the
+The model, per candidate map (the N most frequent counted ids, or a given map file):
+- coverage c: the share of counted tokens inside the map.
+- drafts kept k: the share of the drafts the target accepts that the map still lets the draft
+  propose. A draft with a map proposes only its ids, so an accepted draft outside it is lost; the
+  per-token acceptance is ``alpha_map = alpha * k``, where ``alpha`` is solved from a measured
+  accept length L of chain drafting with k steps: ``L = (1 - alpha^(steps+1)) / (1 - alpha)``.
+  Serving counts (``SGLANG_FRSPEC_COUNTS``) hold the accepted drafts per id, so k is measured;
+  it is relative to the map they were served with (ids outside it were never proposed), and L is
+  that server's accept length. Other counts (a corpus, ``build-map --from-server``) do not, and k
+  is taken as c: as if the draft were as often right on a cold token as on a hot one. That is
+  pessimistic for small maps: the tokens a small map drops are rare ones the draft mostly misses
+  anyway, and most of them are bonus tokens the target commits after a rejected draft.
+- head cost h: the slowest rank's draft-head work relative to the full-vocab shard, from the
   shard plan's width (columns per rank); linear in the rows streamed, or ``a + b * rows`` fitted to
   ``bench_head_gemm.py`` timings (the fixed part ``a`` makes small maps save less).
-- step time ``T(N) = 1 - s * (1 - h(N))`` relative to EAGLE without a map, where s is the share of
+- step time ``T = 1 - s * (1 - h)`` relative to EAGLE without a map, where s is the share of
   a speculative step (draft + verify) spent in the draft LM head without a map.
-- modelled speed-up over no map: ``(L(N) / T(N)) / L``.
+- modelled speed-up over no map: ``(L_map / T) / L``.
 The recommended size is the one with the best modelled speed-up (the smaller one on a tie).
 """
 
@@ -47,12 +54,14 @@ class HeadCostModel:
 class SizeEstimate:
     size: int
     coverage: float
+    drafts_kept: float  # the k above: measured from accepted-draft counts, else the coverage
     columns: int  # head rows on the slowest rank
     head_mib: float  # those rows' bytes per rank
     head_cost: float  # relative to the full-vocab shard
     step_time: float  # relative to a speculative step without a map
     accept_length: float
     speedup: float  # modelled tokens/s vs EAGLE without a map
+    token_map: str | None = None  # the map file, for a given map (else the top ``size`` counted ids)
 
 
 def acceptance_rate(accept_length: float, draft_steps: int) -> float:
@@ -115,13 +124,16 @@ def estimate_sizes(
     *,
     accept_length: float,
     draft_steps: int,
+    accepted: torch.Tensor | None = None,
+    token_maps: dict[str, torch.Tensor] | None = None,
     layout: str = "balanced",
     dtype_bytes: int = 2,
     head_share: float = DEFAULT_HEAD_SHARE,
     cost_model: HeadCostModel = HeadCostModel(),
     padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
 ) -> list[SizeEstimate]:
-    """The model above for each size (ids ranked by count, ties: smaller id first)."""
+    """The model above for each size (ids ranked by count, ties: smaller id first), then for each
+    given map (name: hot ids). ``accepted``: accepted drafts per id, from serving counts."""
     if counts.numel() > vocab_size:
         raise MapBuildError(
             f"counts over {counts.numel()} ids do not fit --vocab-size {vocab_size}: counted with another "
@@ -129,44 +141,56 @@ def estimate_sizes(
         )
     if not 0.0 <= head_share < 1.0:
         raise MapBuildError(f"--head-share {head_share}: must be in [0, 1).")
+    counts = counts.to(torch.int64)
     total = int(counts.sum())
     if total == 0:
         raise MapBuildError("the counts hold no tokens.")
+    if accepted is not None and (accepted.shape != counts.shape or int(accepted.sum()) == 0):
+        accepted = None  # no accepted drafts to measure k on (e.g. every step rejected its drafts)
     alpha = acceptance_rate(accept_length, draft_steps)
-    order = torch.sort(counts.to(torch.int64), descending=True, stable=True).indices
-    cumulative = counts.to(torch.int64)[order].cumsum(0)
+    order = torch.sort(counts, descending=True, stable=True).indices
     full_columns = max(end - start for start, end in vocab_shard_ranges(vocab_size, tp, padding_size))
     full_cost = cost_model.cost(full_columns)
+
+    def estimate(ids: torch.Tensor, token_map: str | None) -> SizeEstimate:
+        counted = ids[ids < counts.numel()]  # map ids past the counted id space were never counted
+        coverage = int(counts[counted].sum()) / total
+        kept = coverage if accepted is None else int(accepted[counted].sum()) / int(accepted.sum())
+        plan = plan_hot_shards(ids, vocab_size, tp, padding_size=padding_size, layout=layout)
+        head_cost = cost_model.cost(plan.width) / full_cost
+        step_time = 1.0 - head_share * (1.0 - head_cost)
+        accept = chain_accept_length(alpha * kept, draft_steps)
+        return SizeEstimate(
+            size=int(ids.numel()),
+            coverage=coverage,
+            drafts_kept=kept,
+            columns=plan.width,
+            head_mib=plan.width * hidden * dtype_bytes / 2**20,
+            head_cost=head_cost,
+            step_time=step_time,
+            accept_length=accept,
+            speedup=accept / step_time / accept_length,
+            token_map=token_map,
+        )
+
     estimates = []
     for size in sorted(set(sizes)):
         if not 0 < size <= counts.numel():
             raise MapBuildError(
                 f"size {size}: must be between 1 and the counted id space ({counts.numel()})."
             )
-        coverage = int(cumulative[size - 1]) / total
-        plan = plan_hot_shards(order[:size], vocab_size, tp, padding_size=padding_size, layout=layout)
-        head_cost = cost_model.cost(plan.width) / full_cost
-        step_time = 1.0 - head_share * (1.0 - head_cost)
-        accept = chain_accept_length(alpha * coverage, draft_steps)
-        estimates.append(
-            SizeEstimate(
-                size=size,
-                coverage=coverage,
-                columns=plan.width,
-                head_mib=plan.width * hidden * dtype_bytes / 2**20,
-                head_cost=head_cost,
-                step_time=step_time,
-                accept_length=accept,
-                speedup=accept / step_time / accept_length,
-            )
-        )
+        estimates.append(estimate(order[:size], None))
+    for name, ids in (token_maps or {}).items():
+        estimates.append(estimate(ids.to(torch.int64), name))
     return estimates
 
 
 def recommend(estimates: list[SizeEstimate]) -> SizeEstimate:
-    """The best modelled speed-up; the smaller size on a tie (within 0.1%)."""
-    best = max(e.speedup for e in estimates)
-    return min((e for e in estimates if e.speedup >= best * 0.999), key=lambda e: e.size)
+    """The size with the best modelled speed-up; the smaller one on a tie (within 0.1%). Given maps
+    are compared, not recommended, unless there is nothing else."""
+    candidates = [e for e in estimates if e.token_map is None] or estimates
+    best = max(e.speedup for e in candidates)
+    return min((e for e in candidates if e.speedup >= best * 0.999), key=lambda e: e.size)
 
 
 def as_dicts(estimates: list[SizeEstimate]) -> list[dict]:
