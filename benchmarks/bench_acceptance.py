@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import summarize  # noqa: E402
+from common import fixture_map, summarize  # noqa: E402
 
 from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
 from sglang_frspec.testing.greedy import compare_greedy  # noqa: E402
@@ -43,7 +43,7 @@ class Config:
     name: str
     tp: int
     eagle: bool = True
-    token_map: str | None = None  # a map name of the fixture
+    token_map: str | None = None  # a map name of the fixture, or a map file
     layout: str = "balanced"
     exchange: str = "full"
     samples: dict = field(default_factory=lambda: {d: [] for d in DOMAINS})
@@ -53,7 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     maps = [f"code_{n}" for n in MAP_SIZES] + [f"prose_{PROSE_MAP_SIZE}"]
-    p.add_argument("--maps", nargs="+", default=maps, help=f"fixture maps to compare (default {maps})")
+    p.add_argument(
+        "--maps", nargs="+", default=maps, help=f"fixture maps or map files to compare (default {maps})"
+    )
     p.add_argument("--layout-map", default=f"code_{MAP_SIZES[1]}", help="map for the layout/exchange rows")
     p.add_argument(
         "--layouts",
@@ -76,12 +78,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def configs_for(tp: int, args: argparse.Namespace) -> list[Config]:
     configs = [Config(PLAIN, tp, eagle=False), Config(NO_MAP, tp)]
-    configs += [Config(f"map {m}", tp, token_map=m) for m in args.maps]
+    configs += [Config(f"map {Path(m).stem}", tp, token_map=m) for m in args.maps]
     if tp > 1:
         for pair in args.layouts:
             layout, exchange = pair.split("/")
             configs.append(
-                Config(f"map {args.layout_map} {pair}", tp, True, args.layout_map, layout, exchange)
+                Config(
+                    f"map {Path(args.layout_map).stem} {pair}", tp, True, args.layout_map, layout, exchange
+                )
             )
     return configs
 
@@ -89,7 +93,7 @@ def configs_for(tp: int, args: argparse.Namespace) -> list[Config]:
 def start(config: Config, fixture, args, log_dir: Path) -> SGLangServer:
     cli = ["--model-path", fixture.target, "--tp-size", str(config.tp), *CPU_SERVER_ARGS]
     if config.eagle:
-        token_map = fixture.token_map(config.token_map) if config.token_map else None
+        token_map = fixture_map(fixture, config.token_map) if config.token_map else None
         cli += eagle_args(
             fixture.draft, token_map, steps=args.steps, topk=args.topk, draft_tokens=args.draft_tokens
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 
 import torch
@@ -90,3 +91,8 @@ def rotated(names: list[str], repeat: int) -> list[str]:
     """The order of one interleaved repeat: each repeat starts one variant later."""
     shift = repeat % len(names)
     return names[shift:] + names[:shift]
+
+
+def fixture_map(fixture, name: str) -> str:
+    """The path of a trained-fixture map by name (``code_128``), or ``name`` itself if it is a file."""
+    return name if os.path.isfile(name) else fixture.token_map(name)

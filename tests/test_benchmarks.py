@@ -95,3 +95,19 @@ def test_bench_acceptance_smoke(tmp_path):
     assert all(r["accept_length"] == 1.0 for r in rows if r["config"] == "plain greedy")
     assert all(1.0 < r["accept_length"] <= 4.0 for r in rows if r["config"] != "plain greedy")
     assert (tmp_path / "a.png").stat().st_size > 10_000
+
+    # The size model against those figures: counts served on the same prompts, every map modelled.
+    out = run("validate_size_model.py", "--acceptance", str(tmp_path / "a.json"), "--prompt-sets", "timed",
+              "--domains", "code", "--batch-tail", "--json", str(tmp_path / "v.json"))  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert [(r["prompts"], r["tp"], r["domain"]) for r in report["results"]] == [("timed", 1, "code")]
+    for result in report["results"]:
+        modelled = result["maps"]["code_512"]
+        measured = next(r for r in rows if r["config"] == "map code_512" and r["domain"] == result["domain"])
+        assert modelled["speedup"] == measured["vs_no_map"]
+        assert 0.0 < modelled["drafts_kept"] <= 1.0 and modelled["speedup_model"] > 1.0
+    tail = report["batch_tail"]["code_512"]
+    assert set(tail) == {"code"} and all(1 <= mean <= slowest for mean, slowest in tail.values())
+    printed = run("validate_size_model.py", "--report", str(tmp_path / "v.json"))
+    assert printed.returncode == 0 and printed.stdout in out.stdout  # the same tables, from the JSON

@@ -44,7 +44,8 @@ def stock_tp1(trained, prompts, tmp_path_factory):
         args = ["--model-path", trained.target, "--tp-size", "1", *CPU_SERVER_ARGS]
         args += eagle_args(trained.draft, trained.token_map(f"code_{size}"))
         log = tmp_path_factory.mktemp("stock") / f"code_{size}.log"
-        with SGLangServer(args, cpu_env(1, with_plugin=False, base=dict(os.environ)), log) as server:
+        env = cpu_env(1, with_plugin=False, base=dict(os.environ))
+        with SGLangServer(args, env, log, forked=True) as server:
             outs = server.generate(prompts, NEW)
             assert "sglang-frspec:" not in server.log()
         results[size] = (
