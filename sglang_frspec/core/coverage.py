@@ -31,7 +31,7 @@ class CoverageTotals:
 
     @property
     def accept_length(self) -> float | None:
-        """Committed tokens per verified request-step: SGLang's ``spec_accept_length`` over all requests."""
+        """Committed tokens per verified request-step, as the ``accept len`` of SGLang's decode log."""
         return self.committed / self.verify_rows if self.verify_rows else None
 
     @property
