@@ -32,6 +32,8 @@ import tempfile
 from itertools import permutations
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import fixture_map  # noqa: E402
 
@@ -114,7 +116,18 @@ def batch_tail(fixture, maps: list[str], args: argparse.Namespace, out: Path) ->
     return tail
 
 
-def compare(rows: list[dict], counts: TokenCounts, fixture, tp: int, domain: str, head_share: float) -> dict:
+def measured_maps(rows: list[dict], fixture) -> dict[str, torch.Tensor]:
+    """The canonical hot ids of every map the measurement served (by its name in ``rows``)."""
+    vocab = fixture.report["vocab"]
+    names = dict.fromkeys(r["map"] for r in rows if r["map"])
+    return {
+        name: canonical_hot_ids(read_token_map(fixture_map(fixture, name)), vocab, name).ids for name in names
+    }
+
+
+def compare(
+    rows: list[dict], maps: dict, counts: TokenCounts, vocab: int, tp: int, domain: str, head_share: float
+) -> dict:
     """Modelled against measured for every balanced/full map row (and no map) at this tp and domain."""
     measured = {
         r["map"]: r
@@ -124,11 +137,6 @@ def compare(rows: list[dict], counts: TokenCounts, fixture, tp: int, domain: str
         and (r["config"] == NO_MAP or r["layout"] == "balanced/full")
     }
     no_map = measured.pop(None)
-    vocab = fixture.report["vocab"]
-    maps = {
-        name: canonical_hot_ids(read_token_map(fixture_map(fixture, name)), vocab, name).ids
-        for name in measured
-    }
     served = counts.speculative
     estimates = estimate_sizes(
         counts.counts,
@@ -139,7 +147,7 @@ def compare(rows: list[dict], counts: TokenCounts, fixture, tp: int, domain: str
         accept_length=served["accept_length"],
         draft_steps=served["num_steps"],
         accepted=counts.accepted,
-        token_maps=maps,
+        token_maps={name: maps[name] for name in measured},
         head_share=head_share,
     )
     table = {
@@ -213,6 +221,7 @@ def main(argv=None) -> int:
     args.bench, rows = bench["args"], bench["results"]
     fixture = trained_fixture()
     out = Path(args.counts_dir or tempfile.mkdtemp(prefix="sglang-frspec-size-model-"))
+    maps, vocab = measured_maps(rows, fixture), fixture.report["vocab"]
     results = []
     for prompt_set in args.prompt_sets:
         begin, end = prompt_range(prompt_set, args)
@@ -222,11 +231,11 @@ def main(argv=None) -> int:
             counts = serve_counts(fixture, domain, fixture.prompts(domain)[begin:end], args, out / prompt_set)
             for tp in sorted({r["tp"] for r in rows}):
                 results.append(
-                    {"prompts": prompt_set} | compare(rows, counts, fixture, tp, domain, args.head_share)
+                    {"prompts": prompt_set} | compare(rows, maps, counts, vocab, tp, domain, args.head_share)
                 )
     tail = {}
     if args.batch_tail:
-        tail = batch_tail(fixture, list(dict.fromkeys(r["map"] for r in rows if r["map"])), args, out)
+        tail = batch_tail(fixture, list(maps), args, out)
     report = {
         "head_share": args.head_share,
         "acceptance": args.acceptance,

@@ -137,9 +137,9 @@ def has_accepted_drafts(counts: TokenCounts) -> bool:
     return counts.accepted is not None and bool(counts.accepted.sum())
 
 
-def acceptance_source(counts: TokenCounts) -> str:
-    """Where the modelled acceptance comes from, for the report's header."""
-    if not has_accepted_drafts(counts):
+def acceptance_source(counts: TokenCounts, kept: bool) -> str:
+    """Where the modelled acceptance comes from (``kept``: from accepted drafts), for the header."""
+    if not kept:
         return "acceptance scaled by coverage (counts without accepted drafts: pessimistic for small maps)"
     served = counts.speculative or {}
     return (
@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     vocab_size = args.vocab_size if args.vocab_size is not None else vocab_size_of(args.model_path)
     cost_model = calibrated_cost_model(args.calibration, args.tp) if args.calibration else HeadCostModel()
     served = counts.speculative or {}
+    kept = has_accepted_drafts(counts)
     accept_length = args.accept_length or served.get("accept_length") or 3.0
     draft_steps = args.draft_steps or served.get("num_steps") or 3
     token_maps = {path: canonical_hot_ids(read_token_map(path), vocab_size, path).ids for path in args.map}
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
                     "cost_model": cost_model.source,
                     "accept_length": accept_length,
                     "draft_steps": draft_steps,
-                    "acceptance": acceptance_source(counts),
+                    "acceptance": acceptance_source(counts, kept),
                     "sizes": as_dicts(estimates),
                 }
             )
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     header = (
         f"counts {args.counts}: {counts.num_tokens:,} tokens; vocab {vocab_size}, hidden {args.hidden}, "
         f"tp {args.tp} ({args.layout}); accept length {accept_length:.3g} over {draft_steps} steps; "
-        f"{acceptance_source(counts)}; head share {args.head_share}; head cost: {cost_model.source}"
+        f"{acceptance_source(counts, kept)}; head share {args.head_share}; head cost: {cost_model.source}"
     )
-    print(format_report(estimates, best, header, kept=has_accepted_drafts(counts)))
+    print(format_report(estimates, best, header, kept=kept))
     return 0

@@ -103,7 +103,7 @@ class CommittedTokenCounts:
             self._positions = torch.arange(stride, dtype=torch.int64, device=self.counts.device)
         if self._ones.numel() < 2 * token_ids.numel():  # grows to the largest batch seen
             self._ones = torch.ones(2 * token_ids.numel(), dtype=torch.int64, device=self.counts.device)
-        lengths = accept_lens.to(torch.int64).unsqueeze(1)
+        lengths = accept_lens.unsqueeze(1)
         # Committed: the first accept_lens[i] positions; accepted drafts: all of them but the bonus.
         counted = torch.stack((self._positions < lengths, self._positions < lengths - 1))
         slots = torch.where(counted, token_ids.view(1, rows, stride), -1)

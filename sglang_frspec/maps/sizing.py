@@ -145,7 +145,8 @@ def estimate_sizes(
     total = int(counts.sum())
     if total == 0:
         raise MapBuildError("the counts hold no tokens.")
-    if accepted is not None and (accepted.shape != counts.shape or int(accepted.sum()) == 0):
+    accepted_total = 0 if accepted is None or accepted.shape != counts.shape else int(accepted.sum())
+    if accepted_total == 0:
         accepted = None  # no accepted drafts to measure k on (e.g. every step rejected its drafts)
     alpha = acceptance_rate(accept_length, draft_steps)
     order = torch.sort(counts, descending=True, stable=True).indices
@@ -155,7 +156,7 @@ def estimate_sizes(
     def estimate(ids: torch.Tensor, token_map: str | None) -> SizeEstimate:
         counted = ids[ids < counts.numel()]  # map ids past the counted id space were never counted
         coverage = int(counts[counted].sum()) / total
-        kept = coverage if accepted is None else int(accepted[counted].sum()) / int(accepted.sum())
+        kept = coverage if accepted is None else int(accepted[counted].sum()) / accepted_total
         plan = plan_hot_shards(ids, vocab_size, tp, padding_size=padding_size, layout=layout)
         head_cost = cost_model.cost(plan.width) / full_cost
         step_time = 1.0 - head_share * (1.0 - head_cost)
