@@ -169,3 +169,21 @@ def dp_attention_logits(payload: dict) -> dict:
             )
     out["reference"] = hidden_states @ full[sorted(set(payload["map"]))].T  # independent columns
     return out
+
+
+def store_after_rank0_returns(payload: dict) -> int:
+    """Rank 0 returns at once; the others then create a group through rank 0's TCPStore.
+
+    SGLang's ``initialize_model_parallel`` ends like this: a rank outside the last groups leaves
+    while their members still rendezvous through the store that rank 0's process serves.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank:
+        time.sleep(payload["delay"])
+        group = dist.new_group(list(range(1, dist.get_world_size())), use_local_synchronization=True)
+        dist.barrier(group=group)
+    return rank

@@ -4,8 +4,10 @@
 which publishes ``ServerArgs(device="cpu", tp_size=...)``, calls SGLang's
 ``init_distributed_environment`` (gloo) and ``initialize_model_parallel``, then calls
 ``function(payload)`` and sends back its (picklable) return value. A rank that raises or a group
-that outlives the timeout fails the call with every rank's traceback; all ranks are killed, so a
-rank stuck in a collective never hangs the caller.
+that outlives the timeout fails the call with every rank's traceback and the order in which the
+ranks exited; all ranks are killed, so a rank stuck in a collective never hangs the caller. A rank
+whose function returned waits for the others before it exits: rank 0's process serves the group's
+TCPStore, which ranks still creating groups (or running their function) may need.
 
 The ranks are forked from a zygote (``sglang_frspec.testing.zygote``) that has imported SGLang's
 distributed and server-args modules once for this environment, so a group does not pay an
@@ -93,9 +95,12 @@ def _run_once(target: str, tp_size: int, payload, timeout: float, server_args: d
         try:
             for rank in range(tp_size):
                 procs.append(fork_module(run_env, RANK_PRELOAD, __name__, [str(spec), str(rank)], logs[rank]))
-            deadline = time.monotonic() + timeout
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if any(p.poll() not in (None, 0) for p in procs):
+            start = time.monotonic()
+            exited: dict[int, float] = {}  # rank -> seconds after start when it was seen exited
+            while len(exited) < tp_size and time.monotonic() < start + timeout:
+                exited |= {r: time.monotonic() - start for r, p in enumerate(procs)
+                           if r not in exited and p.poll() is not None}  # fmt: skip
+                if any(procs[r].returncode != 0 for r in exited):
                     time.sleep(3.0)  # let the other ranks report their own error first
                     break
                 time.sleep(0.2)
@@ -116,7 +121,13 @@ def _run_once(target: str, tp_size: int, payload, timeout: float, server_args: d
                 state = "timed out" if timed_out else f"exit status {procs[rank].returncode}"
                 errors[rank] = f"no result ({state}); log:\n" + logs[rank].read_text()[-4000:]
         if errors:
-            detail = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+            # Who left first matters: a rank that lost rank 0's TCPStore fails with
+            # "Connection reset by peer" or "Broken pipe" in whatever it was doing then.
+            order = ", ".join(f"rank {r} (status {procs[r].returncode}) at {t:.1f} s"
+                              for r, t in sorted(exited.items(), key=lambda item: item[1]))  # fmt: skip
+            detail = f"exited: {order or 'none'}\n" + "\n".join(
+                f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())
+            )
             raise TPGroupError(f"{len(errors)} of {tp_size} rank(s) failed in {target}:\n{detail}", errors)
         return results
 
@@ -149,12 +160,18 @@ def _init_rank(rank: int, tp_size: int, port: int, extra_args: dict) -> None:
 def _child(spec_path: str, rank: int) -> None:
     import importlib
 
+    import torch.distributed
+
     spec = pickle.loads(Path(spec_path).read_bytes())
     out = Path(spec_path).with_name(f"result{rank}.pkl")
     try:
         _init_rank(rank, spec["tp_size"], spec["port"], spec["server_args"])
         module, func = spec["target"].split(":")
         value = getattr(importlib.import_module(module), func)(spec["payload"])
+        # Rank 0's process serves the TCPStore: leaving before the others are done would cut them
+        # off mid-rendezvous (SGLang's groups are created without a store barrier, so a rank can
+        # finish a collective-free function while others still create theirs).
+        torch.distributed.barrier()
         out.write_bytes(pickle.dumps((True, value)))
     except BaseException:
         out.write_bytes(pickle.dumps((False, traceback.format_exc())))
