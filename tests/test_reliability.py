@@ -40,6 +40,8 @@ BAD_MAPS = {
     "negative": (torch.tensor([5, -1, 7]), "1 negative id(s)"),
     "too_big": (torch.tensor([5, 40000]), "1 id(s) >= the target's vocab size 32000"),
     "padding_row": (torch.tensor([5, 32000]), "would select padding or LoRA-added rows"),
+    # Stock passes it and dies at the first request in fast_topk (the servers here use topk 2).
+    "below_topk": (torch.tensor([7, 7]), "holds 1 distinct id(s), fewer than --speculative-eagle-topk 2"),
 }
 
 

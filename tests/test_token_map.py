@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sglang_frspec.adapters.token_map import load_token_map_ids
-from sglang_frspec.core import TokenMapError, canonical_hot_ids, read_token_map
+from sglang_frspec.core import TokenMapError, canonical_hot_ids, check_hot_ids_cover_topk, read_token_map
 
 
 def _save(tmp_path, obj, name="map.pt"):
@@ -82,3 +82,13 @@ def test_out_of_range(ids, message):
     with pytest.raises(TokenMapError) as err:
         canonical_hot_ids(torch.tensor(ids), 10, source="m.pt")
     assert message in str(err.value) and "m.pt" in str(err.value)
+
+
+def test_a_map_must_hold_at_least_topk_distinct_ids():
+    hot = canonical_hot_ids(torch.tensor([9, 3, 9]), 10, source="m.pt")  # FR-Spec lists repeat EOS
+    check_hot_ids_cover_topk(len(hot), 2, source="m.pt")
+    with pytest.raises(TokenMapError) as err:
+        check_hot_ids_cover_topk(len(hot), 3, source="m.pt")
+    message = str(err.value)
+    assert "holds 2 distinct id(s), fewer than --speculative-eagle-topk 3" in message
+    assert "m.pt" in message and "--speculative-eagle-topk 2 or less" in message

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import torch
 from sglang.srt.arg_groups.model_override_base import resolving_view
 
 from sglang_frspec.adapters.token_map import load_token_map_ids
-from sglang_frspec.core import UnsupportedSetupError, canonical_hot_ids
+from sglang_frspec.core import UnsupportedSetupError, canonical_hot_ids, check_hot_ids_cover_topk
 from sglang_frspec.core.options import FrSpecOptions
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ def check_speculative_args(server_args, previous: Callable) -> None:
             "deployment must both run sglang-frspec (or save the map sorted and unique).",
             token_map,
         )
+    check_hot_ids_cover_topk(int(torch.unique(ids).numel()), cfg.speculative_eagle_topk, source=token_map)
     vocab_size = _target_vocab_size(cfg)
     if vocab_size is not None:
         canonical_hot_ids(ids, vocab_size, source=token_map)

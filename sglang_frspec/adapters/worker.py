@@ -37,6 +37,7 @@ from sglang_frspec.core import (
     UnsupportedSetupError,
     build_local_head,
     canonical_hot_ids,
+    check_hot_ids_cover_topk,
     plan_from_ranges,
 )
 from sglang_frspec.core.options import FrSpecOptions
@@ -116,6 +117,7 @@ def around_init_lm_head(original: Callable, worker) -> None:
         shard = describe_head_shard(find_head_module(target_model, head))
         check_head_supported(shard.module)
         hot = canonical_hot_ids(worker.frspec_map_ids, shard.vocab_size, source=source)
+        check_hot_ids_cover_topk(len(hot), worker.topk, source=source)
         check_draft_supported(draft_model, len(hot))
         status = ("ok", hot.digest, len(hot))
     except (TokenMapError, UnsupportedSetupError) as e:

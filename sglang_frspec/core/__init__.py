@@ -12,6 +12,7 @@ from sglang_frspec.core.plan import (
 from sglang_frspec.core.token_map import (
     HotIds,
     canonical_hot_ids,
+    check_hot_ids_cover_topk,
     ids_from_object,
     read_token_map,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "UnsupportedSetupError",
     "build_local_head",
     "canonical_hot_ids",
+    "check_hot_ids_cover_topk",
     "ids_from_object",
     "plan_from_ranges",
     "plan_hot_shards",

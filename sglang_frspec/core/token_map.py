@@ -109,3 +109,16 @@ def canonical_hot_ids(ids: torch.Tensor, vocab_size: int, source: str = "token m
     hot = torch.unique(ids, sorted=True)
     digest = hashlib.sha256(hot.numpy().tobytes()).hexdigest()
     return HotIds(ids=hot, num_duplicates=int(ids.numel() - hot.numel()), digest=digest)
+
+
+def check_hot_ids_cover_topk(num_hot: int, topk: int, source: str = "token map") -> None:
+    """Refuse a map with fewer distinct ids than the draft's top-k: each draft step takes the
+    top-k of ``num_hot`` columns, which SGLang's ``fast_topk`` cannot do (it fails at the first
+    request)."""
+    if num_hot < topk:
+        raise TokenMapError(
+            f"token map {source!r}: holds {num_hot} distinct id(s), fewer than "
+            f"--speculative-eagle-topk {topk}; every draft step picks the top {topk} of the map's "
+            f"ids. Use a map of at least {topk} distinct ids (FR-Spec maps hold thousands), or "
+            f"--speculative-eagle-topk {num_hot} or less."
+        )
