@@ -187,3 +187,51 @@ def store_after_rank0_returns(payload: dict) -> int:
         group = dist.new_group(list(range(1, dist.get_world_size())), use_local_synchronization=True)
         dist.barrier(group=group)
     return rank
+
+
+def degenerate_rows(payload: dict) -> dict:
+    """Rows of zeros, NaNs, all -inf and fewer than k finite logits through the processor.
+
+    The target head's column 0 is 1e10 except at ``finite_ids`` and column 1 is 1e10 everywhere,
+    so a hidden state of -1e30 in dimension 1 makes every logit -inf (fp32 overflow) and one in
+    dimension 0 every logit but those of ``finite_ids``. Returns, per (layout, exchange), this
+    rank's logits and the draft's pick from them (SGLang's softmax + ``fast_topk`` and the map to
+    token ids, as ``draft_forward`` does), with the single-rank reference ``h @ W[hot].T``.
+    """
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+    from sglang.srt.utils.common import fast_topk
+    from transformers import LlamaConfig
+
+    from sglang_frspec.adapters.head import describe_head_shard
+    from sglang_frspec.adapters.logits import FrSpecLogitsProcessor
+    from sglang_frspec.core import build_local_head, canonical_hot_ids, plan_from_ranges
+
+    vocab, hidden, topk = payload["vocab"], payload["hidden"], payload["topk"]
+
+    full = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0))
+    full[:, 0] = 1e10
+    full[payload["finite_ids"], 0] = 0.0
+    full[:, 1] = 1e10
+    target = ParallelLMHead(vocab, hidden)
+    target.weight_loader(target.weight, full)
+    shard = describe_head_shard(target)
+    states = torch.randn(6, hidden, generator=torch.Generator().manual_seed(1))
+    states[:, :2] = 0.0  # rows 4, 5: ordinary logits
+    states[0] = 0.0  # all zero
+    states[1] = float("nan")  # all NaN
+    states[2, 1] = -1e30  # all -inf
+    states[3, 0] = -1e30  # finite only at finite_ids
+    hot = canonical_hot_ids(torch.tensor(payload["ids"]), vocab).ids
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_attention_heads=hidden // 16)
+    out = {"reference": states @ full[hot].T, "hot": hot}
+    for layout in ("local", "balanced"):
+        plan = plan_from_ranges(hot, shard.shard_ranges, layout)
+        local_head = build_local_head(target.weight, plan, shard.rank, shard.all_gather)
+        for exchange in ("full", "topk"):
+            processor = FrSpecLogitsProcessor(config, plan, shard, exchange, topk, "cpu")
+            draft = _draft_head(vocab, hidden, torch.float32, local_head)
+            logits = processor._get_logits(states, draft, None, use_logits_buffer=False)
+            _, picked = fast_topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+            out[(layout, exchange)] = {"logits": logits, "picked": picked, "counts": plan.counts,
+                                       "exchange": processor.exchange}  # fmt: skip
+    return out

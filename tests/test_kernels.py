@@ -121,6 +121,29 @@ def test_exchange_packet_uses_the_kernel_on_cuda_and_the_reference_elsewhere():
         exchange.packet(local, exchange.num_hot)
 
 
+@needs_kernels
+def test_merged_kernel_packets_with_fillers_equal_the_full_logits():
+    """Three ranks (7, 2 and 0 hot ids, k = 4): the last two pad their packets with fillers. Rows
+    where fewer than k logits are finite (hot column 0 among them) must merge into exactly the
+    full logits: every finite value at its column, -inf elsewhere (fillers overwrite nothing)."""
+    from sglang_frspec.core.gather import merge_topk_packets
+    from sglang_frspec.kernels import topk_packet
+
+    counts, k = (7, 2, 0), 4
+    full = torch.full((3, sum(counts)), -math.inf)
+    full[0, [0, 8]] = torch.tensor([2.5, -1.0])  # column 0 and one on rank 1
+    full[1, 0] = 7.0  # column 0 alone
+    full[2, [1, 2, 3]] = torch.tensor([0.5, 0.5, 3.0])  # three on rank 0
+    packets, offset = [], 0
+    for count in counts:
+        local = torch.full((3, 8), -math.inf)
+        local[:, :count] = full[:, offset : offset + count]
+        packets.append(topk_packet(local.to(DEVICE), count, offset, k).cpu())
+        offset += count
+    merged = merge_topk_packets(torch.stack(packets, dim=1), k, sum(counts))
+    assert torch.equal(merged, full), (merged, full)
+
+
 GEMV_CASES = [  # rows, n, k_dim, block_n, split_k
     (1, 45, 300, None, None),
     (7, 100, 513, 32, 3),

@@ -201,3 +201,40 @@ def test_dp_attention_without_dp_lm_head_gathers_rows_over_the_tp_group(rows_per
                 torch.testing.assert_close(
                     topk.softmax(-1).topk(2).values, r["reference"].softmax(-1).topk(2).values
                 )
+
+
+def test_degenerate_rows_give_every_rank_the_same_in_range_picks():
+    """Zero, NaN, all -inf rows and rows with fewer than k finite logits, at TP=2 with one rank
+    holding fewer than k hot ids (so its top-k packet carries fillers). A filler (value -inf)
+    once overwrote hot column 0 when a row's top-k had to take -inf candidates."""
+    ranges = vocab_shard_ranges(VOCAB, 2)
+    ids = [0, 5, 9, 17, 40, 41, 300, ranges[1][0] + 3]  # rank 1 holds 1 < TOPK hot ids (local)
+    finite_ids = [0, 9]  # row 3: 2 < TOPK finite logits, one of them hot column 0
+    results = run_tp_group(
+        "tests.rank_cases:degenerate_rows",
+        2,
+        {"vocab": VOCAB, "hidden": HIDDEN, "topk": TOPK, "ids": ids, "finite_ids": finite_ids},
+    )
+    reference, hot = results[0]["reference"], results[0]["hot"]
+    assert torch.isnan(reference[1]).all() and torch.isneginf(reference[2]).all()
+    assert torch.isfinite(reference[3]).sum() == len(finite_ids)
+    assert results[0][("local", "topk")]["counts"] == (7, 1)  # the rank with fewer than k ids
+    for layout in ("local", "balanced"):
+        for exchange in ("full", "topk"):
+            key = (layout, exchange)
+            assert [r[key]["exchange"] for r in results] == [exchange] * 2, key
+            logits, picked = results[0][key]["logits"], results[0][key]["picked"]
+            for other in results[1:]:  # identical on every rank, NaNs included
+                assert torch.equal(other[key]["logits"].nan_to_num(), logits.nan_to_num()), key
+                assert torch.equal(other[key]["picked"], picked), key
+            assert picked.shape == (6, TOPK) and bool(((picked >= 0) & (picked < len(hot))).all()), key
+            assert torch.isnan(logits[1]).all(), key
+            # Zero, all -inf and fewer-than-k-finite rows come out as the reference: the top-k
+            # packet holds every finite value, and its fill is -inf (0 for the zero row).
+            torch.testing.assert_close(logits[[0, 2, 3]], reference[[0, 2, 3]], rtol=1e-5, atol=1e-4,
+                                       msg=str(key))  # fmt: skip
+            if exchange == "full":
+                torch.testing.assert_close(logits[4:], reference[4:], rtol=1e-5, atol=1e-4, msg=str(key))
+            else:  # ordinary rows: the reference's top-k values at their columns
+                want = reference[4:].topk(TOPK, dim=-1)
+                torch.testing.assert_close(logits[4:].gather(1, want.indices), want.values, msg=str(key))

@@ -104,6 +104,31 @@ def _copy_owned_rows(
     torch.index_select(shard_weight, 0, rows, out=dest)
 
 
+def merge_topk_packets(rank_major: torch.Tensor, k: int, num_hot: int) -> torch.Tensor:
+    """Float32 ``[T, H]`` logits from every rank's top-k packet, ``rank_major`` ``[T, tp, 2k+1]``.
+
+    The global top-k values land at their hot columns; every other column gets one fill value
+    that carries exactly the remaining probability mass. A rank with fewer than k hot ids pads
+    its packet with fillers (value -inf at hot index 0), which a row with fewer than k values
+    above -inf may pick: they are written with ``amax`` over a fill that never exceeds a picked
+    value, so a filler changes no column (a plain scatter let it overwrite hot column 0) and the
+    result does not depend on the write order (identical on every rank, also on CUDA).
+    """
+    num_rows, tp_size = rank_major.shape[:2]
+    cand_values = rank_major[:, :, :k].reshape(num_rows, tp_size * k)
+    cand_indices = rank_major[:, :, k : 2 * k].reshape(num_rows, tp_size * k)
+    top_values, picked = cand_values.topk(k, dim=1)
+    top_indices = cand_indices.gather(1, picked).long()
+    # Everything outside the global top-k: candidates not picked, plus each rank's rest.
+    unpicked = cand_values.scatter(1, picked, -math.inf)
+    others = torch.cat([unpicked, rank_major[:, :, 2 * k]], dim=1)
+    fill = torch.logsumexp(others, dim=1) - math.log(num_hot - k)
+    # Rounding must not lift the fill above the k-th value (it can only tie it).
+    fill = torch.minimum(fill, top_values[:, -1])
+    logits = fill[:, None].expand(num_rows, num_hot).contiguous()
+    return logits.scatter_reduce_(1, top_indices, top_values, reduce="amax")
+
+
 class HotLogitsExchange:
     """Turns each rank's ``[T, width]`` local logits into identical ``[T, H]`` hot logits."""
 
@@ -138,22 +163,8 @@ class HotLogitsExchange:
         distribution is peaked.
         """
         packet = self.packet(local, k)
-        num_rows = local.shape[0]
-        gathered = _gather(packet, self.plan.tp_size, all_gather)
-        rank_major = gathered.permute(1, 0, 2)  # [T, tp, 2k+1]
-        num_candidates = self.plan.tp_size * k
-        cand_values = rank_major[:, :, :k].reshape(num_rows, num_candidates)
-        cand_indices = rank_major[:, :, k : 2 * k].reshape(num_rows, num_candidates)
-        top_values, picked = cand_values.topk(k, dim=1)
-        top_indices = cand_indices.gather(1, picked).long()
-        # Everything outside the global top-k: candidates not picked, plus each rank's rest.
-        unpicked = cand_values.scatter(1, picked, -math.inf)
-        others = torch.cat([unpicked, rank_major[:, :, 2 * k]], dim=1)
-        fill = torch.logsumexp(others, dim=1) - math.log(self.num_hot - k)
-        # Rounding must not lift the fill above the k-th value (it can only tie it).
-        fill = torch.minimum(fill, top_values[:, -1])
-        logits = fill[:, None].expand(num_rows, self.num_hot).contiguous()
-        return logits.scatter_(1, top_indices, top_values)
+        rank_major = _gather(packet, self.plan.tp_size, all_gather).permute(1, 0, 2)
+        return merge_topk_packets(rank_major, k, self.num_hot)
 
     def packet(self, local: torch.Tensor, k: int) -> torch.Tensor:
         """``topk_packet``, by the single-pass Triton kernel on CUDA when triton imports."""
