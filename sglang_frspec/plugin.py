@@ -34,6 +34,7 @@ def register() -> None:
     HookRegistry.register(args.LM_HEAD_HOOK, coverage.install_after_init_lm_head, HookType.AFTER)
     HookRegistry.register(coverage.VERIFY_HOOK, coverage.count_after_verify, HookType.AFTER)
     HookRegistry.register(coverage.REPORT_HOOK, coverage.report_after_decode_stats, HookType.AFTER)
+    HookRegistry.register(coverage.IDLE_HOOK, coverage.publish_after_idle, HookType.AFTER)
     HookRegistry.register(coverage.SHUTDOWN_HOOK, coverage.flush_after_release, HookType.AFTER)
     for target in COMPLETE_UPDATE_HOOKS:
         HookRegistry.register(target, worker.refresh_after_complete_update, HookType.AFTER)

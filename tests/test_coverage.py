@@ -166,16 +166,17 @@ def test_coverage_options(options_unset, tmp_path):
 NEW = 40
 STARTS = (0, 17, 33)
 LINE = re.compile(
-    r" TP(\d+)\] sglang-frspec: (at shutdown, TP rank (\d+) of (\d+): )?hot coverage [0-9.]+% "
+    r"(?: TP(\d+))?\] sglang-frspec: (at shutdown, TP rank (\d+) of (\d+): )?hot coverage [0-9.]+% "
     r"\(([\d,]+) of ([\d,]+) committed tokens in the token map\)"
 )
 
 
 def coverage_lines(log: str) -> list[tuple]:
-    """(logging TP rank, shutdown rank or None, in map, committed) of each coverage line."""
+    """(logging TP rank, shutdown rank or None, in map, committed) of each coverage line (SGLang
+    names no rank at TP=1)."""
     return [
         (
-            int(m[1]),
+            int(m[1] or 0),
             None if m[3] is None else int(m[3]),
             int(m[5].replace(",", "")),
             int(m[6].replace(",", "")),
@@ -184,17 +185,17 @@ def coverage_lines(log: str) -> list[tuple]:
     ]
 
 
-def committed_tokens(perm, outs) -> list[int]:
+def committed_tokens(perm, outs, starts=STARTS, new=NEW) -> list[int]:
     """The tokens the verify steps committed, from the outputs alone: per request, the chain after
     its first output token (which the prefill made) for as many tokens as its verify steps accepted
     (accepted drafts plus one bonus per step, SGLang's own per-request counts; the last step may
     accept tokens past max_new_tokens, which follow the chain too)."""
     tokens = []
-    for s, out in zip(STARTS, outs):
-        assert out["output_ids"] == list(perm.chain[s + 3 : s + 3 + NEW])
+    for s, out in zip(starts, outs):
+        assert out["output_ids"] == list(perm.chain[s + 3 : s + 3 + new])
         meta = out["meta_info"]
         num = meta["spec_num_correct_drafts"] + meta["spec_verify_ct"]
-        assert NEW - 1 <= num < NEW - 1 + 3  # at most steps (2) tokens past the last output token
+        assert new - 1 <= num < new - 1 + 3  # at most steps (2) tokens past the last output token
         tokens += perm.chain[s + 4 : s + 4 + num]
     return tokens
 
@@ -300,6 +301,33 @@ def test_tp2_coverage_in_the_log_metrics_and_counts_file_equals_the_outputs(perm
     final = [line for line in coverage_lines(server.log()) if line[1] is not None]
     assert sorted(final) == [(0, 0, in_map, len(tokens)), (1, 1, in_map, len(tokens))]  # same on all ranks
     assert TokenCounts.load(counts_path).counts.tolist() == saved.counts.tolist()
+
+
+@pytest.mark.server
+def test_a_short_burst_at_the_default_interval_is_exported_once_traffic_stops(perm, start_server, tmp_path):
+    """Fewer decode steps than --decode-log-interval (default 40): the totals must still reach
+    the log, /metrics and the counts file once the server is idle, as SGLang's own counters do."""
+    counts_path = tmp_path / "served.counts.pt"
+    token_map = perm.token_map("hot_half")
+    server = start_server(perm, 1, token_map, extra=("--enable-metrics",), env={COUNTS_ENV: str(counts_path)})
+    start, new = 5, 8
+    out = server.generate(list(perm.chain[start : start + 3]), new)
+    assert out["meta_info"]["spec_verify_ct"] < 40  # a burst shorter than one log interval
+    tokens = committed_tokens(perm, [out], starts=(start,), new=new)
+    hot = set(torch.load(token_map).tolist())
+    in_map = sum(1 for t in tokens if t in hot)
+    wait_for(lambda: coverage_lines(server.log())[-1:] == [(0, None, in_map, len(tokens))])
+    assert coverage_lines(server.log()) == [(0, None, in_map, len(tokens))]  # one line, once idle
+    text = urllib_get(server.url + "/metrics")
+    assert [v for _, v in metric(text, "sglang:frspec_committed_tokens_total")] == [len(tokens)]
+    assert [v for _, v in metric(text, "sglang:frspec_committed_in_map_tokens_total")] == [in_map]
+    assert TokenCounts.load(counts_path).counts.sum().item() == len(tokens)
+    # A second burst: exported again once idle, the metric counts both (never twice).
+    out = server.generate(list(perm.chain[start : start + 3]), new)
+    wait_for(lambda: coverage_lines(server.log())[-1:] == [(0, None, 2 * in_map, 2 * len(tokens))])
+    assert coverage_lines(server.log())[-1] == (0, None, 2 * in_map, 2 * len(tokens))
+    text = urllib_get(server.url + "/metrics")
+    assert [v for _, v in metric(text, "sglang:frspec_committed_tokens_total")] == [2 * len(tokens)]
 
 
 @pytest.mark.server

@@ -481,6 +481,8 @@ CONTRACT: tuple[Entry, ...] = (
     Signature("sglang.srt.model_executor.forward_batch_info:ForwardMode.is_idle", "(self)"),
     Signature(f"{REPORTER}.report_decode_stats", None),
     *(Attribute(f"{REPORTER}.{name}") for name in REPORTER_FIELDS),
+    Signature(f"{SCHEDULER}.on_idle", "(self)"),
+    Attribute(f"{SCHEDULER}.metrics_reporter"),
     Signature(f"{SCHEDULER}.release_host_resources", "(self)"),
     Attribute(f"{SCHEDULER}.draft_worker"),
     Attribute(f"{SCHEDULER}.model_config"),
@@ -493,7 +495,6 @@ CONTRACT: tuple[Entry, ...] = (
     # token_map.py: SGLang's own map loader (hub paths)
     Signature("sglang.srt.speculative.spec_utils:load_token_map", "(token_map_path)"),
     # head.py: the target's vocab-parallel LM head
-    Attribute(f"{VOCAB_MODULE}:UnquantizedEmbeddingMethod"),
     Attribute(f"{VOCAB_MODULE}:ParallelLMHead"),
     Signature(
         f"{VOCAB}._get_indices",
@@ -504,6 +505,7 @@ CONTRACT: tuple[Entry, ...] = (
         Attribute(f"{VOCAB}.{name}")
         for name in (
             "quant_method",
+            "embedding_dim",
             "enable_tp",
             "tp_size",
             "use_attn_tp_group",

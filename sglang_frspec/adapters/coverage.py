@@ -1,6 +1,6 @@
 """Seam 5: how many of the tokens the target commits the token map holds, while serving.
 
-Four hooks, all outside captured CUDA graphs:
+Five hooks, all outside captured CUDA graphs:
 
 1. AFTER ``EagleDraftWorker.init_lm_head``: with the plugin's hot head installed and coverage on
    (``SGLANG_FRSPEC_COVERAGE``, default 1), every rank gets a ``CommittedTokenCounts`` over the
@@ -13,8 +13,12 @@ Four hooks, all outside captured CUDA graphs:
    ranks that log (TP rank 0), export metrics or write the counts file start a host copy of the
    totals; once it has landed (a later step on CUDA, at once on CPU) they log a line after
    SGLang's ``Decode batch`` line, add to the Prometheus counters and write the counts file.
-   That copy is the only host transfer, and it never waits for the device.
-4. AFTER ``Scheduler.release_host_resources`` (graceful shutdown only): every rank logs its final
+   That copy is the only host transfer while serving, and it never waits for the device.
+4. AFTER ``Scheduler.on_idle`` (no batch to run): if verify steps were counted since the last
+   copy, the same ranks publish the totals at once, so a burst shorter than the log interval,
+   or the tail after the last interval, is exported when the traffic stops (as SGLang's own
+   token counters are). The device has no work then, so waiting for the copy costs nothing.
+5. AFTER ``Scheduler.release_host_resources`` (graceful shutdown only): every rank logs its final
    totals and TP rank 0 writes the counts file once more.
 
 "Committed" means what verify accepts on the device: at a request's last step it includes the
@@ -38,6 +42,7 @@ VERIFY_HOOK = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify"
 REPORT_HOOK = (
     "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
 )
+IDLE_HOOK = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 SHUTDOWN_HOOK = "sglang.srt.managers.scheduler.Scheduler.release_host_resources"
 
 COMMITTED_METRIC = "sglang:frspec_committed_tokens_total"
@@ -54,6 +59,7 @@ class HotCoverage:
     pending: PendingSnapshot | None = None
     exported: CoverageTotals = field(default_factory=lambda: CoverageTotals(0, 0))
     prometheus: tuple | None = None  # the (committed, in map) counter children, once created
+    unsnapshotted_steps: int = 0  # verify steps counted since the last snapshot (a host count)
 
 
 def install_after_init_lm_head(result, worker):
@@ -72,6 +78,7 @@ def count_after_verify(result, worker, batch, *args, **kwargs):
     if coverage is not None and result.accept_lens is not None and not batch.forward_mode.is_idle():
         stride = result.speculative_output_stride or result.speculative_num_draft_tokens
         coverage.counts.add(result.next_token_ids, result.accept_lens, stride)
+        coverage.unsnapshotted_steps += 1
     return result
 
 
@@ -88,6 +95,27 @@ def _exports_metrics(reporter) -> bool:
     return reporter.current_scheduler_metrics_enabled and reporter.metrics_collector is not None
 
 
+def _publishes(reporter, coverage: HotCoverage) -> bool:
+    """Whether this rank logs, exports metrics or writes the counts file."""
+    return reporter.is_stats_logging_rank or _exports_metrics(reporter) or _writes_counts(coverage)
+
+
+def _start_snapshot(coverage: HotCoverage) -> None:
+    coverage.pending = coverage.counts.snapshot(with_counts=_writes_counts(coverage))
+    coverage.unsnapshotted_steps = 0
+
+
+def _publish(coverage: HotCoverage, reporter) -> None:
+    """Log, export and write the pending snapshot (waits for its copy if it has not landed)."""
+    totals, coverage.pending = coverage.pending.result(), None
+    if _writes_counts(coverage):
+        write_counts(totals, coverage, reporter.scheduler)
+    if _exports_metrics(reporter):
+        _export(coverage, totals, reporter.metrics_collector)
+    if reporter.is_stats_logging_rank:
+        logger.info("sglang-frspec: %s", totals.describe())
+
+
 def report_after_decode_stats(result, reporter, *args, **kwargs):
     """AFTER hook: start a host copy at each decode-log interval; publish it once it has landed."""
     coverage = _coverage_of(reporter.scheduler)
@@ -96,17 +124,26 @@ def report_after_decode_stats(result, reporter, *args, **kwargs):
     if (
         coverage.pending is None
         and reporter.forward_ct_decode % reporter.decode_log_interval == 0
-        and (reporter.is_stats_logging_rank or _exports_metrics(reporter) or _writes_counts(coverage))
+        and _publishes(reporter, coverage)
     ):
-        coverage.pending = coverage.counts.snapshot(with_counts=_writes_counts(coverage))
+        _start_snapshot(coverage)
     if coverage.pending is not None and coverage.pending.ready():
-        totals, coverage.pending = coverage.pending.result(), None
-        if _writes_counts(coverage):
-            write_counts(totals, coverage, reporter.scheduler)
-        if _exports_metrics(reporter):
-            _export(coverage, totals, reporter.metrics_collector)
-        if reporter.is_stats_logging_rank:
-            logger.info("sglang-frspec: %s", totals.describe())
+        _publish(coverage, reporter)
+    return result
+
+
+def publish_after_idle(result, scheduler, *args, **kwargs):
+    """AFTER hook on ``Scheduler.on_idle``: publish what was counted since the last snapshot."""
+    coverage = _coverage_of(scheduler)
+    if coverage is None or not (coverage.unsnapshotted_steps or coverage.pending):
+        return result
+    reporter = scheduler.metrics_reporter
+    if _publishes(reporter, coverage):
+        if coverage.pending is None:
+            _start_snapshot(coverage)
+        _publish(coverage, reporter)
+    else:
+        coverage.unsnapshotted_steps = 0  # nothing to publish on this rank
     return result
 
 
