@@ -25,7 +25,7 @@ def register() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_frspec.adapters import args, coverage, worker
+    from sglang_frspec.adapters import args, coverage, pd, worker
 
     HookRegistry.register(args.TOKEN_MAP_HOOK, worker.around_init_token_map, HookType.AROUND)
     HookRegistry.register(args.LM_HEAD_HOOK, worker.around_init_lm_head, HookType.AROUND)
@@ -36,6 +36,8 @@ def register() -> None:
     HookRegistry.register(coverage.REPORT_HOOK, coverage.report_after_decode_stats, HookType.AFTER)
     HookRegistry.register(coverage.IDLE_HOOK, coverage.publish_after_idle, HookType.AFTER)
     HookRegistry.register(coverage.SHUTDOWN_HOOK, coverage.flush_after_release, HookType.AFTER)
+    HookRegistry.register(pd.SET_BUF_HOOK, pd.to_wire_before_set_buf, HookType.BEFORE)
+    HookRegistry.register(pd.DRAFT_INPUT_HOOK, pd.from_wire_after_draft_input, HookType.AFTER)
     for target in COMPLETE_UPDATE_HOOKS:
         HookRegistry.register(target, worker.refresh_after_complete_update, HookType.AFTER)
     HookRegistry.register(SESSION_END_HOOK, worker.refresh_after_session_end, HookType.AFTER)

@@ -190,7 +190,6 @@ for fields in json.loads(sys.argv[1]):
 EAGLE = {"speculative_algorithm": "EAGLE"}
 REJECTION_SAMPLING = EAGLE | {"speculative_use_rejection_sampling": True, "speculative_eagle_topk": 1,
                               "speculative_num_steps": 2, "speculative_num_draft_tokens": 3}  # fmt: skip
-PD_PREFILL = EAGLE | {"disaggregation_mode": "prefill"}
 
 
 @pytest.fixture(scope="module")
@@ -198,19 +197,14 @@ def resolved(perm, tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
     """SGLang's real argument resolution (with this plugin registered) of every case below, in
     one child process: {case: (RESOLVED <algorithm> or ERROR <type> <message>, logged messages)}."""
     tmp_path = tmp_path_factory.mktemp("resolve")
-    ids = torch.load(perm.token_map("hot"))
     maps = {"hot": perm.token_map("hot")}
-    for name, tensor in (("whole", torch.arange(perm.vocab_size)), ("unsorted", ids.flip(0)),
-                         ("sorted", ids.unique(sorted=True))):  # fmt: skip
-        torch.save(tensor, tmp_path / f"{name}.pt")
-        maps[name] = str(tmp_path / f"{name}.pt")
+    torch.save(torch.arange(perm.vocab_size), tmp_path / "whole.pt")
+    maps["whole"] = str(tmp_path / "whole.pt")
     cases = {
         "no algorithm": ("hot", {}),
         "frozen kv mtp": ("hot", {"speculative_algorithm": "FROZEN_KV_MTP"}),
         "rejection sampling": ("hot", REJECTION_SAMPLING),
         "rejection sampling, whole vocab": ("whole", REJECTION_SAMPLING),
-        "pd prefill, unsorted": ("unsorted", PD_PREFILL),
-        "pd prefill, sorted": ("sorted", PD_PREFILL),
     }
     fields = [
         {"model_path": perm.target, "device": "cpu", "tp_size": 2, "speculative_token_map": maps[name]}
@@ -246,11 +240,3 @@ def test_rejection_sampling_with_a_map_fails_at_argument_time(resolved):
         result, _ = resolved[case]
         assert result.startswith("ERROR UnsupportedSetupError --speculative-token-map cannot be combined "
                                  "with --speculative-use-rejection-sampling"), (case, result)  # fmt: skip
-
-
-def test_pd_node_warns_when_the_map_file_is_not_sorted(resolved):
-    warning = "is not sorted and unique: sglang-frspec uses the sorted hot order"
-    result, messages = resolved["pd prefill, unsorted"]
-    assert result == "RESOLVED EAGLE" and any(warning in m for m in messages)
-    result, messages = resolved["pd prefill, sorted"]
-    assert result == "RESOLVED EAGLE" and not any(warning in m for m in messages)

@@ -1,3 +1,4 @@
 """Thin adapters, one module per SGLang seam: args (argument resolution), head (the target's
 vocab-parallel LM head), logits (the draft logits processor), worker (EagleDraftWorker
-start-up and weight refreshes), token_map (map sources SGLang accepts)."""
+start-up and weight refreshes), token_map (map sources SGLang accepts), coverage (committed
+tokens in the map, while serving), pd (hot indices between prefill and decode nodes)."""

@@ -96,13 +96,6 @@ def check_speculative_args(server_args, previous: Callable) -> None:
         )
     FrSpecOptions.from_env()  # an unknown layout/exchange fails here, not in every scheduler
     ids = load_token_map_ids(token_map)
-    if cfg.disaggregation_mode in ("prefill", "decode") and not bool((ids[1:] > ids[:-1]).all()):
-        logger.warning(
-            "--speculative-token-map %s is not sorted and unique: sglang-frspec uses the sorted "
-            "hot order, stock SGLang the file order, so the prefill and decode nodes of this PD "
-            "deployment must both run sglang-frspec (or save the map sorted and unique).",
-            token_map,
-        )
     check_hot_ids_cover_topk(int(torch.unique(ids).numel()), cfg.speculative_eagle_topk, source=token_map)
     vocab_size = _target_vocab_size(cfg)
     if vocab_size is not None:

@@ -492,6 +492,17 @@ CONTRACT: tuple[Entry, ...] = (
     Signature("sglang.srt.runtime_context:get_serving", "()"),
     Attribute("sglang.srt.arg_groups.fields.serving:Serving.tokenizer_path"),
     Named("sglang.srt.runtime_context", "tp_size"),
+    # pd.py: the hot indices a PD prefill node ships and a decode node receives, and the mode
+    # that makes a node a PD node
+    Signature("sglang.srt.disaggregation.utils:MetadataBuffers.set_buf", "(self, req)"),
+    Attribute("sglang.srt.managers.schedule_batch:Req.output_topk_index"),
+    Signature(
+        "sglang.srt.speculative.eagle_disaggregation:build_eagle_disagg_draft_input",
+        "(batch, last_tokens_tensor, future_map)",
+    ),
+    Attribute("sglang.srt.speculative.eagle_info:EagleDraftInput.topk_index"),
+    Signature("sglang.srt.runtime_context:get_disagg", "()"),
+    Attribute("sglang.srt.arg_groups.fields.disagg:Disagg.disaggregation_mode"),
     # token_map.py: SGLang's own map loader (hub paths)
     Signature("sglang.srt.speculative.spec_utils:load_token_map", "(token_map_path)"),
     # head.py: the target's vocab-parallel LM head

@@ -21,6 +21,7 @@ import torch
 from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
 
+from sglang_frspec.adapters import pd
 from sglang_frspec.adapters.head import (
     HeadShard,
     check_draft_supported,
@@ -145,6 +146,7 @@ def around_init_lm_head(original: Callable, worker) -> None:
     draft_model.logits_processor = processor
     worker.hot_token_id = plan.hot_ids.to(head.device)
     worker.frspec_head = FrSpecDraftHead(plan, shard, options, local_head)
+    pd.install_wire_order(worker.frspec_map_ids, hot, head.device)  # a PD node ships hot indices
     del worker.frspec_map_ids
     if get_parallel().tp_rank == 0:
         if processor.exchange != options.exchange:

@@ -11,6 +11,7 @@ from sglang_frspec.core.plan import (
 )
 from sglang_frspec.core.token_map import (
     HotIds,
+    HotWireOrder,
     canonical_hot_ids,
     check_hot_ids_cover_topk,
     ids_from_object,
@@ -23,6 +24,7 @@ __all__ = [
     "HotIds",
     "HotLogitsExchange",
     "HotShardPlan",
+    "HotWireOrder",
     "TokenMapError",
     "UnsupportedSetupError",
     "build_local_head",

@@ -111,6 +111,35 @@ def canonical_hot_ids(ids: torch.Tensor, vocab_size: int, source: str = "token m
     return HotIds(ids=hot, num_duplicates=int(ids.numel() - hot.numel()), digest=digest)
 
 
+@dataclass(frozen=True)
+class HotWireOrder:
+    """Stock SGLang's hot order (positions in the map file, duplicates kept) against the canonical
+    one: PD disaggregation ships hot indices between nodes, and stock reads them in file order."""
+
+    canonical_to_file: torch.Tensor  # int64 [H]: canonical hot index -> first file position of its id
+    file_to_canonical: torch.Tensor  # int64 [len(file)]: file position -> canonical hot index
+
+    @classmethod
+    def of(cls, file_ids: torch.Tensor, hot: HotIds) -> HotWireOrder:
+        """The two maps for a file's ids (in range: ``hot`` was made from them)."""
+        file_to_canonical = torch.searchsorted(hot.ids, file_ids.to(torch.int64))
+        positions = torch.arange(file_ids.numel(), dtype=torch.int64)
+        canonical_to_file = torch.full((len(hot),), file_ids.numel(), dtype=torch.int64)
+        canonical_to_file.scatter_reduce_(0, file_to_canonical, positions, reduce="amin")
+        return cls(canonical_to_file, file_to_canonical)
+
+    def to(self, device: torch.device | str) -> HotWireOrder:
+        return HotWireOrder(self.canonical_to_file.to(device), self.file_to_canonical.to(device))
+
+    def to_wire(self, hot_index: torch.Tensor) -> torch.Tensor:
+        """Canonical hot indices as stock SGLang's file positions (same shape)."""
+        return self.canonical_to_file.to(hot_index.device)[hot_index]
+
+    def from_wire(self, file_index: torch.Tensor) -> torch.Tensor:
+        """File positions (as a stock node ships them) as canonical hot indices (same shape)."""
+        return self.file_to_canonical.to(file_index.device)[file_index]
+
+
 def check_hot_ids_cover_topk(num_hot: int, topk: int, source: str = "token map") -> None:
     """Refuse a map with fewer distinct ids than the draft's top-k: each draft step takes the
     top-k of ``num_hot`` columns, which SGLang's ``fast_topk`` cannot do (it fails at the first

@@ -1,0 +1,86 @@
+"""One PD node's side of a hot-index transfer, run in a real SGLang process (see test_pd.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+HIDDEN = 8
+
+
+def pd_node(payload: dict) -> list[dict]:
+    """One node's transfers: ``payload["steps"]`` lists ``("prefill", picked)`` and
+    ``("decode", wire)`` steps, answered in order (``wire`` None: this node's last prefill's).
+
+    Prefill: each request's first draft top-k (``picked``, hot indices in this node's own order)
+    goes through SGLang's ``MetadataBuffers.set_buf``; the answer is the buffer rows (the wire)
+    and the token ids picked. Decode: the wire rows are read back as ``DecodeTransferQueue`` does
+    (``get_buf``), the first draft input is built by SGLang's ``build_eagle_disagg_draft_input``
+    and its ``topk_index`` mapped through this node's ``hot_token_id`` as ``draft_forward`` does:
+    the token ids the decode node drafts from.
+
+    ``plugin``: the node runs sglang-frspec (hooks applied, wire order installed as its draft
+    worker does at start-up, ``hot_token_id`` the canonical ids); otherwise it is stock
+    (``hot_token_id`` the file's ids in file order, duplicates kept).
+    """
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang_frspec.core import canonical_hot_ids
+
+    file_ids = torch.tensor(payload["file_ids"])
+    hot = canonical_hot_ids(file_ids, payload["vocab"])
+    hot_token_id = file_ids
+    if payload["plugin"]:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        from sglang_frspec.adapters import pd
+        from sglang_frspec.plugin import register
+
+        register()
+        HookRegistry.apply_hooks()
+        pd.install_wire_order(file_ids, hot, "cpu")
+        hot_token_id = hot.ids
+    buffers = MetadataBuffers(size=4, hidden_size=HIDDEN, hidden_states_dtype=torch.float32,
+                              max_sampling_mask_tokens=16)  # fmt: skip
+
+    def request(i: int) -> Req:
+        req = Req(f"r{i}", "", [1, 2, 3], SamplingParams(max_new_tokens=4))
+        req.metadata_buffer_index = i
+        return req
+
+    answers = []
+    for role, rows in payload["steps"]:
+        rows = torch.tensor(answers[-1]["wire"] if rows is None else rows)
+        if role == "prefill":
+            for i, picked in enumerate(rows):
+                req = request(i)
+                req.output_ids = [7]
+                req.output_topk_p = torch.full((picked.numel(),), 1.0 / picked.numel())
+                req.output_topk_index = picked.clone()
+                req.hidden_states_tensor = torch.zeros(HIDDEN)
+                buffers.set_buf(req)
+            answers.append({"wire": buffers.output_topk_index[: len(rows)].tolist(),
+                            "tokens": hot_token_id[rows].tolist()})  # fmt: skip
+            continue
+        reqs = []
+        for i, wire in enumerate(rows):
+            buffers.output_topk_index[i] = wire
+            *_, topk_p, topk_index, hidden_states, dsa_topk_indices, _ = buffers.get_buf(i)
+            req = request(i)
+            req.output_topk_p, req.output_topk_index = topk_p, topk_index
+            req.hidden_states_tensor, req.output_dsa_topk_indices = hidden_states, dsa_topk_indices
+            reqs.append(req)
+        # The fields of a prebuilt decode batch that the draft-input builder reads.
+        batch = SimpleNamespace(reqs=reqs, device="cpu", enable_overlap=False,
+                                model_config=SimpleNamespace(hf_config=SimpleNamespace()))  # fmt: skip
+        last_tokens = torch.tensor([7] * len(reqs))
+        spec_info = SpeculativeAlgorithm.EAGLE.build_disagg_draft_input(batch, last_tokens, None)
+        try:
+            answers.append({"tokens": hot_token_id[spec_info.topk_index].tolist()})
+        except IndexError as e:  # what a device assert is on the GPU
+            answers.append({"error": str(e)})
+    return answers
