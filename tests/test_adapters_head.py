@@ -57,9 +57,9 @@ def test_gguf_quantized_head_names_quantization_and_the_fix(single_rank):
     head = _head(quant_config=GGUFConfig())
     assert not hasattr(head, "weight")  # GGUF keeps qweight/qweight_type instead
     message = _rejection(head)
-    assert "the target LM head is quantized (GGUFEmbeddingMethod)" in message
-    assert "would drop the quantization scales" in message
-    assert "Serve an unquantized lm_head" in message and "drop --speculative-token-map" in message
+    assert "the target LM head is quantized (GGUFEmbeddingMethod) and holds qweight, qweight_type" in message
+    assert "Serve a checkpoint whose lm_head is left unquantized" in message
+    assert "drop --speculative-token-map" in message
 
 
 def test_head_without_a_weight_is_rejected(single_rank):
@@ -115,6 +115,14 @@ def test_head_weight_that_is_not_2d_is_rejected(single_rank):
     head.weight = torch.nn.Parameter(head.weight.data.reshape(rows, HIDDEN // 16, 16), requires_grad=False)
     message = _rejection(head)
     assert f"shape ({rows}, {HIDDEN // 16}, 16)" in message and "plain 2-D" in message
+
+
+def test_head_with_other_columns_than_the_hidden_size_is_rejected(single_rank):
+    head = _head()
+    head.weight = torch.nn.Parameter(head.weight.data[:, : HIDDEN // 2].clone(), requires_grad=False)
+    message = _rejection(head)
+    assert f"has {HIDDEN // 2} columns but the hidden size is {HIDDEN}" in message
+    assert "cannot be sliced by token id" in message and "Drop --speculative-token-map" in message
 
 
 def test_head_with_other_local_rows_than_its_shard_is_rejected(single_rank):

@@ -6,17 +6,14 @@ from dataclasses import dataclass
 
 import torch
 from sglang.srt.layers.amx_utils import PackWeightMethod
-from sglang.srt.layers.vocab_parallel_embedding import (
-    ParallelLMHead,
-    UnquantizedEmbeddingMethod,
-    VocabParallelEmbedding,
-)
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglang.srt.runtime_context import get_parallel
 
 from sglang_frspec.core import UnsupportedSetupError
 from sglang_frspec.core.gather import AllGather
 
 _SLICEABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_PLAIN_HEAD_TENSORS = {"weight", "bias"}  # an unquantized head (its bias is not used for logits)
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ def find_head_module(target_model: torch.nn.Module, head: torch.Tensor) -> Vocab
 
 
 def check_head_supported(module: VocabParallelEmbedding) -> None:
-    """Reject heads whose rows cannot be sliced (quantized, packed, GGUF)."""
+    """Reject heads whose rows are not plain floating-point rows of the vocab shard."""
     weight = getattr(module, "weight", None)  # quantized heads keep e.g. `qweight` instead
     # On an AMX CPU SGLang swaps a bf16/fp16 head's method to PackWeightMethod: packed, not quantized.
     if (
@@ -75,12 +72,16 @@ def check_head_supported(module: VocabParallelEmbedding) -> None:
             "cannot be sliced. Use a safetensors checkpoint (not --load-format gguf) or drop "
             "--speculative-token-map."
         )
-    if not isinstance(module.quant_method, UnquantizedEmbeddingMethod):
+    # Judged by what the module holds, not by its method's class: SGLang gives a head that the
+    # checkpoint leaves unquantized UnquantizedEmbeddingMethod or UnquantizedLinearMethod.
+    quantization_tensors = _quantization_tensors(module)
+    if quantization_tensors:
         raise UnsupportedSetupError(
-            f"the target LM head is quantized ({type(module.quant_method).__name__}); FR-Spec "
-            "slices head rows, which would drop the quantization scales. Serve an "
-            "unquantized lm_head (choose a --quantization / checkpoint that keeps lm_head in "
-            "bf16/fp16), or drop --speculative-token-map."
+            f"the target LM head is quantized ({type(module.quant_method).__name__}) and holds "
+            f"{', '.join(quantization_tensors)} besides plain rows; FR-Spec builds the draft's hot "
+            "head from plain rows of each vocab shard. Serve a checkpoint whose lm_head is left "
+            "unquantized (lm_head in the quantization config's exclude_modules / ignore / "
+            "modules_to_not_convert), or drop --speculative-token-map."
         )
     if weight is None:
         raise UnsupportedSetupError(
@@ -98,6 +99,19 @@ def check_head_supported(module: VocabParallelEmbedding) -> None:
             f"{module.num_embeddings_per_partition}; a packed or re-laid-out head cannot be "
             "sliced by token id. Drop --speculative-token-map."
         )
+    if weight.shape[1] != module.embedding_dim:
+        raise UnsupportedSetupError(
+            f"the target LM head weight has {weight.shape[1]} columns but the hidden size is "
+            f"{module.embedding_dim}; a transposed or packed head cannot be sliced by token id. "
+            "Drop --speculative-token-map."
+        )
+
+
+def _quantization_tensors(module: VocabParallelEmbedding) -> list[str]:
+    """The head's own parameters and buffers besides its rows (scales, zero points, packed weights)."""
+    names = {name for name, _ in module.named_parameters(recurse=False)}
+    names |= {name for name, _ in module.named_buffers(recurse=False)}
+    return sorted(names - _PLAIN_HEAD_TENSORS)
 
 
 def describe_head_shard(module: VocabParallelEmbedding) -> HeadShard:

@@ -320,3 +320,67 @@ def random_fixture(
         marker="map_hot.pt",
     )
     return ModelFixture(root)
+
+
+# Quantization configs under which SGLang leaves the whole model, LM head included, unquantized
+# (so its CPU path loads the float weights), each in the file and shape its format uses: the
+# file's top-level keys are merged into the target's copy of that file.
+QUANT_CONFIGS_ALL_EXCLUDED = {
+    # ModelOpt (NVIDIA's FP8/NVFP4 checkpoints): hf_quant_config.json, lm_head in exclude_modules.
+    "modelopt_fp8": (
+        "hf_quant_config.json",
+        {
+            "producer": {"name": "modelopt", "version": "0.29.0"},
+            "quantization": {
+                "quant_algo": "FP8",
+                "kv_cache_quant_algo": None,
+                "exclude_modules": ["lm_head", "model.layers.*"],
+            },
+        },
+    ),
+    # AutoAWQ: config.json quantization_config, lm_head in modules_to_not_convert.
+    "awq": (
+        "config.json",
+        {
+            "quantization_config": {
+                "quant_method": "awq",
+                "bits": 4,
+                "group_size": 128,
+                "zero_point": True,
+                "version": "gemm",
+                "modules_to_not_convert": ["lm_head", "model.layers"],
+            }
+        },
+    ),
+    # GPTQModel: config.json quantization_config, dynamic "-:" rules skip every module.
+    "gptq": (
+        "config.json",
+        {
+            "quantization_config": {
+                "quant_method": "gptq",
+                "bits": 4,
+                "group_size": 128,
+                "desc_act": False,
+                "sym": True,
+                "lm_head": False,
+                "dynamic": {"-:.*": {}},
+            }
+        },
+    ),
+}
+
+
+def quant_config_fixture(fixture: PermFixture, name: str) -> PermFixture:
+    """``fixture`` with its target's folder copied and the quantization config ``name`` of
+    QUANT_CONFIGS_ALL_EXCLUDED added (weights, draft and maps unchanged)."""
+    file_name, config = QUANT_CONFIGS_ALL_EXCLUDED[name]
+
+    def build(root: Path) -> None:
+        shutil.copytree(fixture.root, root, copy_function=os.link)  # hard links: no second copy
+        path = root / "target" / file_name
+        merged = (json.loads(path.read_text()) if path.exists() else {}) | config
+        path.unlink(missing_ok=True)  # a new file, never a write through the link into the original
+        path.write_text(json.dumps(merged, indent=1))
+
+    root = cached_build(fixture.root.with_name(f"{fixture.root.name}-{name}"), build, marker="chains.json")
+    return PermFixture(root, fixture.vocab_size, fixture.hidden_size, fixture.chain, fixture.low_chain)
