@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -106,3 +108,35 @@ def test_tp2_plugin_without_map_is_unchanged(perm, start_server):
     server = start_server(perm, 2)
     assert generate_chains(server, perm.chain) == [3.0, 3.0, 3.0]
     assert "sglang-frspec:" not in server.log()
+
+
+def test_tp2_topk1_with_a_map(perm, start_server):
+    """--speculative-eagle-topk 1: the draft takes an argmax over the hot logits (SGLang's fast
+    path that writes draft tokens directly is off with a map) and the top-k packet carries k=1."""
+    topk1 = ("--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
+    server = start_server(perm, 2, perm.token_map("hot"), env={"SGLANG_FRSPEC_EXCHANGE": "topk"}, extra=topk1)
+    assert generate_chains(server, perm.chain) == [3.0, 3.0, 3.0]  # 2 steps, every draft accepted
+    assert_plugin_active(server, num_hot(perm.token_map("hot")), 2, "balanced", "topk")
+
+
+def test_tp2_chunked_prefill_and_retracted_requests(perm, start_server):
+    """A prompt prefilled in chunks (the draft extends after its last chunk) and requests that the
+    full KV pool retracts and prefills again (their draft extends a second time), at TP=2 with a
+    map: outputs follow the chain and every draft is accepted."""
+    server = start_server(perm, 2, perm.token_map("hot"),
+                          extra=("--chunked-prefill-size", "32", "--max-total-tokens", "320"))  # fmt: skip
+    long_start, long_len, new = 100, 90, 40
+    starts = (0, 17, 33, 49, 200, 230, 260, 290)
+    prompts = [list(perm.chain[long_start : long_start + long_len])] + [
+        list(perm.chain[s : s + 3]) for s in starts
+    ]
+    outs = server.generate(prompts, new)
+    assert outs[0]["output_ids"] == list(perm.chain[long_start + long_len : long_start + long_len + new])
+    for s, out in zip(starts, outs[1:]):
+        assert out["output_ids"] == list(perm.chain[s + 3 : s + 3 + new])
+    chunks = re.findall(r"Prefill batch, #new-seq: \d+, #new-token: 32,", server.log())
+    assert len(chunks) >= 2  # the long prompt's full 32-token chunks
+    assert sum(out["meta_info"]["num_retractions"] for out in outs) > 0, server.log()[-3000:]
+    assert "KV cache pool is full. Retract requests." in server.log()
+    # After its first token (made by the prefill) each verify step commits 2 drafts and a bonus.
+    assert [out["meta_info"]["spec_verify_ct"] for out in outs] == [-(-(new - 1) // 3)] * len(outs)

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from sglang_frspec.adapters.token_map import load_token_map_ids
-from sglang_frspec.core import TokenMapError, canonical_hot_ids, check_hot_ids_cover_topk, read_token_map
+from sglang_frspec.core import (
+    HotWireOrder,
+    TokenMapError,
+    canonical_hot_ids,
+    check_hot_ids_cover_topk,
+    read_token_map,
+)
 
 
 def _save(tmp_path, obj, name="map.pt"):
@@ -92,3 +98,15 @@ def test_a_map_must_hold_at_least_topk_distinct_ids():
     message = str(err.value)
     assert "holds 2 distinct id(s), fewer than --speculative-eagle-topk 3" in message
     assert "m.pt" in message and "--speculative-eagle-topk 2 or less" in message
+
+
+def test_wire_order_maps_file_positions_and_canonical_indices_both_ways():
+    file_ids = torch.tensor([2, 300, 5, 9, 5, 17, 2, 40])  # FR-Spec's list: unsorted, repeats
+    hot = canonical_hot_ids(file_ids, 1000)
+    wire = HotWireOrder.of(file_ids, hot)
+    positions = torch.arange(file_ids.numel())
+    assert torch.equal(hot.ids[wire.from_wire(positions)], file_ids)  # every position, repeats too
+    canonical = torch.arange(len(hot))
+    assert torch.equal(file_ids[wire.to_wire(canonical)], hot.ids)
+    assert wire.to_wire(canonical).tolist() == [0, 2, 3, 5, 7, 1]  # each id's first position
+    assert wire.to_wire(torch.tensor([[5, 0], [3, 1]])).shape == (2, 2)
