@@ -135,7 +135,7 @@ def build_steps(args, hot, tp, rows, dtype, device) -> dict[str, tuple[Callable,
         steps[name] = (gemm, num_rows)
         if exchange is not None and exchange.count > args.topk:
             steps[name + "+topk"] = (
-                lambda i, gemm=gemm, exchange=exchange: exchange.topk_packet(gemm(i), args.topk),
+                lambda i, gemm=gemm, exchange=exchange: exchange.topk_packet_reference(gemm(i), args.topk),
                 num_rows,
             )
             if kernels is not None:
@@ -152,30 +152,32 @@ def kernel_steps(name, weights, hidden, exchange, k, num_rows) -> dict[str, tupl
         return weights[i % len(weights)]
 
     return {
-        f"{name} triton gemv": (lambda i: kernels.hot_head_gemv(hidden, weight(i)).float(), num_rows),
-        f"{name} packet torch": (lambda i: exchange.topk_packet(logits, k), 0),
+        f"{name} triton gemv": (lambda i: gemv.hot_head_gemv(hidden, weight(i)).float(), num_rows),
+        f"{name} packet torch": (lambda i: exchange.topk_packet_reference(logits, k), 0),
         f"{name} packet triton": (lambda i: kernels.topk_packet(logits, count, offset, k), 0),
         f"{name} triton gemv, packet": (
-            lambda i: kernels.topk_packet(kernels.hot_head_gemv(hidden, weight(i)), count, offset, k),
+            lambda i: kernels.topk_packet(gemv.hot_head_gemv(hidden, weight(i)), count, offset, k),
             num_rows,
         ),
         f"{name} triton gemv+packet": (
-            lambda i: kernels.gemv_topk_packet(hidden, weight(i), count, offset, k),
+            lambda i: gemv.gemv_topk_packet(hidden, weight(i), count, offset, k),
             num_rows,
         ),
     }
 
 
 kernels = None  # sglang_frspec.kernels on CUDA with triton (main sets it)
+gemv = None  # sglang_frspec.kernels.gemv, likewise (benchmarked; the server does not use it)
 
 
 def main(argv=None) -> int:
-    global kernels
+    global kernels, gemv
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
         try:
             from sglang_frspec import kernels
+            from sglang_frspec.kernels import gemv
         except ImportError:
             print("triton not importable: timing the torch variants only")
     dtype = head_dtype(args)

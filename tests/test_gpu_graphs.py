@@ -66,7 +66,7 @@ def _ranks(tp: int, layout: str, device: torch.device):
     exchanges = [HotLogitsExchange(plan, r, device) for r in range(tp)]
     hidden = torch.randn(ROWS, HIDDEN, generator=gen).to(device, torch.bfloat16)
     locals_ = [hidden @ head.T for head in heads]
-    packets = [ex.topk_packet(local, TOPK) for ex, local in zip(exchanges, locals_)]
+    packets = [ex.topk_packet_reference(local, TOPK) for ex, local in zip(exchanges, locals_)]
     gathered = {plan.width: locals_, 2 * TOPK + 1: packets}
     reference = hidden.float() @ full[plan.hot_ids.to(device)].float().T
     return heads, exchanges, hidden, gathered, reference
@@ -110,6 +110,7 @@ def test_exchanges_capture_and_replay_exactly_in_bf16(tp, layout):
 def test_triton_kernels_capture_and_replay_bit_identically(rows):
     """The GEMV, the packet and the fused pair in one graph: replays equal eager bit for bit."""
     kernels = pytest.importorskip("sglang_frspec.kernels")
+    from sglang_frspec.kernels.gemv import gemv_topk_packet, hot_head_gemv
     from tests.test_kernels import assert_same_packet, reference_exchange
 
     gen = torch.Generator().manual_seed(rows)
@@ -120,9 +121,9 @@ def test_triton_kernels_capture_and_replay_bit_identically(rows):
     static_hidden = hidden.clone()
 
     def step():
-        logits = kernels.hot_head_gemv(static_hidden, weight)
+        logits = hot_head_gemv(static_hidden, weight)
         packet = kernels.topk_packet(logits, count, offset, TOPK)
-        return logits, packet, kernels.gemv_topk_packet(static_hidden, weight, count, offset, TOPK)
+        return logits, packet, gemv_topk_packet(static_hidden, weight, count, offset, TOPK)
 
     eager = step()
     graph, captured = _capture(step)
@@ -138,5 +139,6 @@ def test_triton_kernels_capture_and_replay_bit_identically(rows):
             assert torch.equal(got, want)
     logits, packet, fused = captured
     assert torch.equal(fused, packet)
-    assert_same_packet(packet, reference_exchange(width, count, offset).topk_packet(logits, TOPK), TOPK)
+    want = reference_exchange(width, count, offset).topk_packet_reference(logits, TOPK)
+    assert_same_packet(packet, want, TOPK)
     torch.testing.assert_close(logits.float(), hidden.float() @ weight.float().T, rtol=2e-2, atol=2e-2)

@@ -94,7 +94,7 @@ def test_topk_packet_matches_reference(rows, width, count, offset, k, dtype):
     from sglang_frspec.kernels import topk_packet
 
     local = hard_rows(rows, width, dtype, seed=rows * width + k)
-    want = reference_exchange(width, count, offset).topk_packet(local, k)
+    want = reference_exchange(width, count, offset).topk_packet_reference(local, k)
     assert_same_packet(topk_packet(local, count, offset, k), want, k)
 
 
@@ -116,9 +116,9 @@ def test_topk_packet_rest_is_exact_for_a_peaked_row():
 def test_exchange_packet_uses_the_kernel_on_cuda_and_the_reference_elsewhere():
     exchange = reference_exchange(300, 250, 11)
     local = hard_rows(6, 300, torch.bfloat16, seed=5)
-    assert_same_packet(exchange.packet(local, 4), exchange.topk_packet(local, 4), 4)
+    assert_same_packet(exchange.topk_packet(local, 4), exchange.topk_packet_reference(local, 4), 4)
     with pytest.raises(ValueError, match="0 < k < H"):
-        exchange.packet(local, exchange.num_hot)
+        exchange.topk_packet(local, exchange.num_hot)
 
 
 @needs_kernels
@@ -156,7 +156,7 @@ GEMV_CASES = [  # rows, n, k_dim, block_n, split_k
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,n,k_dim,block_n,split_k", GEMV_CASES)
 def test_hot_head_gemv_matches_matmul(rows, n, k_dim, block_n, split_k, dtype):
-    from sglang_frspec.kernels import hot_head_gemv
+    from sglang_frspec.kernels.gemv import hot_head_gemv
 
     gen = torch.Generator().manual_seed(rows + n)
     hidden = torch.randn(rows, k_dim, generator=gen).to(DEVICE)
@@ -173,7 +173,8 @@ def test_hot_head_gemv_matches_matmul(rows, n, k_dim, block_n, split_k, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,split_k,count", [(1, 1, 90), (9, 3, 97), (64, 2, 0)])
 def test_fused_gemv_packet_equals_gemv_then_packet(rows, split_k, count, dtype):
-    from sglang_frspec.kernels import gemv_topk_packet, hot_head_gemv, topk_packet
+    from sglang_frspec.kernels import topk_packet
+    from sglang_frspec.kernels.gemv import gemv_topk_packet, hot_head_gemv
 
     gen = torch.Generator().manual_seed(rows)
     hidden = torch.randn(rows, 600, generator=gen).to(DEVICE)
@@ -182,12 +183,13 @@ def test_fused_gemv_packet_equals_gemv_then_packet(rows, split_k, count, dtype):
     logits = hot_head_gemv(hidden, weight, split_k=split_k)
     got = gemv_topk_packet(hidden, weight, count, 40, 4, split_k=split_k)
     assert torch.equal(got, topk_packet(logits, count, 40, 4))  # the same sums, roundings and order
-    assert_same_packet(got, reference_exchange(104, count, 40).topk_packet(logits, 4), 4)
+    assert_same_packet(got, reference_exchange(104, count, 40).topk_packet_reference(logits, 4), 4)
 
 
 @needs_kernels
 def test_kernels_reject_bad_arguments():
-    from sglang_frspec.kernels import hot_head_gemv, topk_packet
+    from sglang_frspec.kernels import topk_packet
+    from sglang_frspec.kernels.gemv import hot_head_gemv
 
     with pytest.raises(ValueError, match="k >= 1"):
         topk_packet(torch.zeros(2, 8, device=DEVICE), 8, 0, 0)

@@ -60,3 +60,19 @@ def test_auto_rule_picks_by_gathered_bytes_per_device():
     below = (DEFAULT_TOPK_MIN_GATHER_BYTES - 1) // per_row
     assert auto_exchange(plan, below, 4, 2, "cuda") == "full"
     assert auto_exchange(plan, below + 1, 4, 2, "cuda") == "topk"
+
+
+def test_which_exchange_runs_fixed_fallback_and_auto():
+    """The one decision the processor delegates: built with the requested exchange or the full
+    fallback (k >= H, or k = 0), then per step the fixed one or auto's pick."""
+    from sglang_frspec.core import plan_hot_shards
+    from sglang_frspec.core.exchange_rule import exchange_at_start, exchange_for_step
+
+    plan = plan_hot_shards(torch.arange(0, 8000, 2), 8000, 2, layout="balanced")  # H = 4000
+    assert [exchange_at_start(e, plan, 4) for e in ("full", "topk", "auto")] == ["full", "topk", "auto"]
+    for k in (0, plan.num_hot, plan.num_hot + 1):  # no valid top-k packet
+        assert [exchange_at_start(e, plan, k) for e in ("full", "topk", "auto")] == ["full"] * 3
+    assert exchange_for_step("topk", plan, 64, 4, 2, "cuda") == "topk"  # fixed: whatever the bytes
+    assert exchange_for_step("full", plan, 64, 4, 4, "cpu") == "full"
+    assert exchange_for_step("auto", plan, 1, 4, 4, "cpu") == "topk"  # auto: the rule's pick
+    assert exchange_for_step("auto", plan, 1, 4, 2, "cuda") == "full"

@@ -7,7 +7,7 @@ from sglang.srt.layers.logits_processor import LogitsMetadata, LogitsProcessor, 
 
 from sglang_frspec.adapters.head import HeadShard
 from sglang_frspec.core import HotLogitsExchange, HotShardPlan, UnsupportedSetupError
-from sglang_frspec.core.exchange_rule import AUTO, auto_exchange
+from sglang_frspec.core.exchange_rule import exchange_at_start, exchange_for_step
 
 
 class FrSpecLogitsProcessor(LogitsProcessor):
@@ -35,17 +35,14 @@ class FrSpecLogitsProcessor(LogitsProcessor):
         self.vocab_size = plan.num_hot  # what _copy_logits_to_buffer and the graph buffer expect
         self.plan = plan
         self.shard = shard
-        # The top-k packet needs k < H; otherwise the full gather is exact and as cheap.
-        self.exchange = exchange if 0 < topk < plan.num_hot else "full"
+        self.exchange = exchange_at_start(exchange, plan, topk)
         self.topk = topk
         self.hot_logits = HotLogitsExchange(plan, shard.rank, device)
 
     def exchange_for_rows(self, local: torch.Tensor) -> str:
-        """The exchange for this step's ``[rows, width]`` local logits: ``self.exchange``, or under
-        ``auto`` the rule's pick for the row count (the same on every rank: a pure function)."""
-        if self.exchange != AUTO:
-            return self.exchange
-        return auto_exchange(self.plan, local.shape[0], self.topk, local.element_size(), local.device.type)
+        """The exchange for this step's ``[rows, width]`` local logits (the same on every rank)."""
+        return exchange_for_step(self.exchange, self.plan, local.shape[0], self.topk, local.element_size(),
+                                 local.device.type)  # fmt: skip
 
     def _check_head(self, lm_head) -> None:
         """Python-level guard (graph-safe): the head the draft passes must be the hot head."""

@@ -1,4 +1,8 @@
-"""The ``auto`` exchange: full or topk per batch size, by a rule every rank evaluates alike.
+"""Which exchange runs: the one a processor is built with, and under ``auto`` the pick per step.
+
+``exchange_at_start`` falls back to ``full`` where the top-k packet cannot apply (k >= H);
+``exchange_for_step`` gives a step's exchange, which under ``auto`` is full or topk per batch
+size, by a rule every rank evaluates alike.
 
 The choice must be identical on every rank (each rank runs its side of one collective), so it
 is a pure function of what every rank of the group shares: the plan, the row count (the
@@ -18,7 +22,7 @@ What it rests on (docs/benchmarks.md):
 
 from __future__ import annotations
 
-from sglang_frspec.core.gather import EXCHANGES
+from sglang_frspec.core.gather import EXCHANGES, topk_packet_applies
 from sglang_frspec.core.plan import HotShardPlan
 
 AUTO = "auto"
@@ -28,9 +32,24 @@ TOPK_MIN_GATHER_BYTES = {"cpu": 0}
 DEFAULT_TOPK_MIN_GATHER_BYTES = 16 * 2**20  # cuda and any other accelerator
 
 
+def exchange_at_start(requested: str, plan: HotShardPlan, k: int) -> str:
+    """The exchange a processor is built with: ``requested``, or ``full`` (exact, and as cheap)
+    where the top-k packet cannot apply."""
+    return requested if topk_packet_applies(k, plan.num_hot) else "full"
+
+
+def exchange_for_step(configured: str, plan: HotShardPlan, rows: int, k: int, itemsize: int,
+                      device_type: str) -> str:  # fmt: skip
+    """The exchange of one step of ``rows`` logits rows: ``configured`` (from
+    ``exchange_at_start``), or under ``auto`` the rule's pick."""
+    if configured != AUTO:
+        return configured
+    return auto_exchange(plan, rows, k, itemsize, device_type)
+
+
 def auto_exchange(plan: HotShardPlan, rows: int, k: int, itemsize: int, device_type: str) -> str:
     """``full`` or ``topk`` for a step of ``rows`` logits rows (the same answer on every rank)."""
-    if plan.tp_size == 1 or not 0 < k < plan.num_hot:
+    if plan.tp_size == 1 or not topk_packet_applies(k, plan.num_hot):
         return "full"  # no collective (full is a slice), or no valid top-k packet
     gathered = rows * plan.gathered_bytes_per_row(itemsize)
     threshold = TOPK_MIN_GATHER_BYTES.get(device_type, DEFAULT_TOPK_MIN_GATHER_BYTES)

@@ -20,6 +20,17 @@ AllGather = Callable[[torch.Tensor, torch.Tensor], None] | None  # None: a group
 EXCHANGES = ("full", "topk")
 
 
+def topk_packet_applies(k: int, num_hot: int) -> bool:
+    """Whether the top-k exchange is exact for a top-k of ``num_hot`` columns: it needs a column
+    outside the top-k to carry the rest of the probability mass, so 0 < k < H."""
+    return 0 < k < num_hot
+
+
+def _check_topk(k: int, num_hot: int) -> None:
+    if not topk_packet_applies(k, num_hot):
+        raise ValueError(f"top-k exchange needs 0 < k < H, got k={k}, H={num_hot}")
+
+
 def _gather(local: torch.Tensor, tp_size: int, all_gather: AllGather) -> torch.Tensor:
     """All-gather ``local`` [n, ...] into a rank-major [tp, n, ...] tensor."""
     if tp_size == 1:
@@ -162,17 +173,17 @@ class HotLogitsExchange:
         from positive terms only (never ``1 - top mass``), so it stays accurate when the
         distribution is peaked.
         """
-        packet = self.packet(local, k)
+        packet = self.topk_packet(local, k)
         rank_major = _gather(packet, self.plan.tp_size, all_gather).permute(1, 0, 2)
         return merge_topk_packets(rank_major, k, self.num_hot)
 
-    def packet(self, local: torch.Tensor, k: int) -> torch.Tensor:
-        """``topk_packet``, by the single-pass Triton kernel on CUDA when triton imports."""
+    def topk_packet(self, local: torch.Tensor, k: int) -> torch.Tensor:
+        """This rank's packet: the single-pass Triton kernel on CUDA when triton imports, else
+        ``topk_packet_reference``."""
         kernels = self._triton_kernels() if local.is_cuda else None
         if kernels is None:
-            return self.topk_packet(local, k)
-        if not 0 < k < self.num_hot:
-            raise ValueError(f"top-k exchange needs 0 < k < H, got k={k}, H={self.num_hot}")
+            return self.topk_packet_reference(local, k)
+        _check_topk(k, self.num_hot)
         return kernels.topk_packet(local, self.count, self.offset, k)
 
     @staticmethod
@@ -184,14 +195,13 @@ class HotLogitsExchange:
             return None
         return kernels
 
-    def topk_packet(self, local: torch.Tensor, k: int) -> torch.Tensor:
+    def topk_packet_reference(self, local: torch.Tensor, k: int) -> torch.Tensor:
         """This rank's share of the top-k exchange: [T, 2k+1] (top-k values, hot indices, rest LSE).
 
         The torch reference of ``kernels.topk_packet``. Ties are broken by the lower column, so
         the packet is a function of the logits alone (``torch.topk`` leaves ties unspecified).
         """
-        if not 0 < k < self.num_hot:
-            raise ValueError(f"top-k exchange needs 0 < k < H, got k={k}, H={self.num_hot}")
+        _check_topk(k, self.num_hot)
         num_rows = local.shape[0]
         mine = local[:, : self.count].float()
         values = mine.new_full((num_rows, k), -math.inf)
