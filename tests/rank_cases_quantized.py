@@ -61,3 +61,92 @@ def excluded_head_logits(payload: dict) -> dict:
             case[layout] = processor._get_logits(hidden_states, draft, None, use_logits_buffer=False)
         out[name] = case
     return out
+
+
+def scaled_fp8_quant_on_cpu(input: torch.Tensor, scale: torch.Tensor | None = None, **_) -> tuple:
+    """Static per-tensor FP8 quantization as SGLang's own torch path computes it
+    (``_native_static_quant_fp8`` in fp8_kernel.py): the CUDA kernel SGLang calls on other
+    devices has no CPU build, and ModelOpt FP8 loading requantizes through it."""
+    assert scale is not None and scale.numel() == 1, "only the static per-tensor path is needed"
+    fp8 = torch.finfo(torch.float8_e4m3fn)
+    return torch.clamp(input / scale, fp8.min, fp8.max).to(torch.float8_e4m3fn), scale
+
+
+def modelopt_fp8_head(vocab: int, hidden: int, quantized: torch.Tensor, scale: torch.Tensor):
+    """A real ParallelLMHead of a ModelOpt FP8 checkpoint whose lm_head is quantized, loaded from
+    ``quantized`` [vocab, hidden] and its per-tensor ``scale`` by SGLang's own weight_loader and
+    processed after loading (SGLang's stored layout)."""
+    from unittest import mock
+
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    config = quant_config("modelopt_fp8", {"quantization": {"quant_algo": "FP8", "exclude_modules": []}})
+    head = ParallelLMHead(vocab, hidden, quant_config=config, prefix="lm_head", params_dtype=torch.bfloat16)
+    head.weight_loader(head.weight, quantized)
+    head.weight_loader(head.weight_scale, scale)
+    head.weight_loader(head.input_scale, torch.tensor(1.0))
+    with mock.patch("sglang.srt.layers.quantization.utils.scaled_fp8_quant", scaled_fp8_quant_on_cpu):
+        head.quant_method.process_weights_after_loading(head)
+    return head
+
+
+def fp8_checkpoint(vocab: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float8 weight, per-tensor scale, its dequantization) quantized here, independently of SGLang."""
+    weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed)) * 0.05
+    scale = weight.abs().max() / torch.finfo(torch.float8_e4m3fn).max
+    quantized = (weight / scale).to(torch.float8_e4m3fn)
+    return quantized, scale, quantized.float() * scale
+
+
+def fp8_head_cases(payload: dict) -> dict:
+    """A quantized ModelOpt FP8 head on this rank: its stored layout, whether the plugin accepts it,
+    and per layout its hot head in float32 and bfloat16, the draft logits (float32 head and
+    hidden states) and the hot head after the target's weights change in place and it refreshes."""
+    from transformers import LlamaConfig
+
+    from sglang_frspec.adapters.head import build_hot_head, check_head_supported, describe_head_shard
+    from sglang_frspec.adapters.logits import FrSpecLogitsProcessor
+    from sglang_frspec.adapters.worker import FrSpecDraftHead
+    from sglang_frspec.core import plan_from_ranges
+    from sglang_frspec.core.options import FrSpecOptions
+    from tests.rank_cases import _draft_head
+
+    vocab, hidden = payload["vocab"], payload["hidden"]
+    quantized, scale, _ = fp8_checkpoint(vocab, hidden, seed=0)
+    head = modelopt_fp8_head(vocab, hidden, quantized, scale)
+    check_head_supported(head)
+    shard = describe_head_shard(head)
+    hot = torch.tensor(sorted(set(payload["map"])))
+    hidden_states = torch.randn(payload["rows"], hidden, generator=torch.Generator().manual_seed(1))
+    model_config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_attention_heads=hidden // 16)
+    out = {
+        "rank": shard.rank,
+        "method": type(head.quant_method).__name__,
+        "stored": (tuple(head.weight.shape), head.weight.dtype, head.weight_scale.numel()),
+    }
+    new_quantized, new_scale, _ = fp8_checkpoint(vocab, hidden, seed=2)
+    start, end = shard.shard_ranges[shard.rank]
+    for layout in ("local", "balanced"):
+        plan = plan_from_ranges(hot, shard.shard_ranges, layout)
+        case = {"columns": (plan.offsets[shard.rank], plan.counts[shard.rank])}
+        case["bfloat16"] = build_hot_head(shard, plan, torch.bfloat16)
+        local_head = build_hot_head(shard, plan, torch.float32)
+        case["float32"] = local_head.clone()
+        processor = FrSpecLogitsProcessor(model_config, plan, shard, "full", 2, "cpu")
+        draft = _draft_head(vocab, hidden, torch.float32, local_head)
+        case["logits"] = processor._get_logits(hidden_states, draft, None, use_logits_buffer=False)
+        out[layout] = case
+    for layout in ("local", "balanced"):
+        # Weights updated in place in SGLang's stored layout; then the worker's refresh.
+        head.weight.data[:, : end - start].copy_(quantized[start:end].t())
+        head.weight_scale.data.copy_(scale)
+        plan = plan_from_ranges(hot, shard.shard_ranges, layout)
+        state = FrSpecDraftHead(
+            plan, shard, FrSpecOptions.from_env(), build_hot_head(shard, plan, torch.float32)
+        )
+        head.weight.data[:, : end - start].copy_(new_quantized[start:end].t())
+        head.weight_scale.data.copy_(new_scale)
+        before = state.local_head.data_ptr()
+        state.refresh()
+        out[layout]["refreshed"] = (state.local_head.clone(), state.local_head.data_ptr() == before)
+    return out

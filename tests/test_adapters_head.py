@@ -58,6 +58,7 @@ def test_gguf_quantized_head_names_quantization_and_the_fix(single_rank):
     assert not hasattr(head, "weight")  # GGUF keeps qweight/qweight_type instead
     message = _rejection(head)
     assert "the target LM head is quantized (GGUFEmbeddingMethod) and holds qweight, qweight_type" in message
+    assert "a GGUF head, whose layout is not read back" in message
     assert "Serve a checkpoint whose lm_head is left unquantized" in message
     assert "drop --speculative-token-map" in message
 

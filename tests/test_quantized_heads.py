@@ -13,6 +13,8 @@ from sglang_frspec.testing.fixtures import quant_config_fixture
 from sglang_frspec.testing.server import plugin_activity
 from sglang_frspec.testing.tp_group import run_tp_group
 from tests.conftest import fixture_server
+from tests.rank_cases_quantized import fp8_checkpoint, modelopt_fp8_head, quant_config
+from tests.test_adapters_head import single_rank  # noqa: F401 (the fixture, used by name)
 from tests.test_servers_plugin import num_hot
 
 VOCAB, HIDDEN, ROWS = 5003, 64, 5
@@ -110,3 +112,140 @@ def test_checkpoint_with_unquantized_head_serves_greedy_with_full_acceptance(qua
     assert [o["output_ids"] for o in outs] == [list(fixture.chain[s + 3 : s + 3 + NEW]) for s in starts]
     assert [o["meta_info"]["spec_accept_length"] for o in outs] == [STEPS + 1.0] * len(starts)
     assert plugin_activity(server.log()) == [(num_hot(fixture.token_map("hot")), tp, "balanced", "full")]
+
+
+@pytest.mark.multirank
+def test_modelopt_fp8_head_hot_rows_are_dequantized_at_tp2():
+    """A quantized ModelOpt FP8 head (real method, loaded by SGLang's weight_loader from values
+    quantized in the test): on a gloo TP=2 group each rank's hot head is the independent
+    dequantization of its hot rows (bit-exact in float32, exact casts in bfloat16), the draft
+    logits equal ``h @ dequant(W)[hot].T``, and a refresh after an in-place update re-reads them."""
+    gen = torch.Generator().manual_seed(6)
+    split = vocab_shard_ranges(VOCAB, 2)[1][0]
+    hot_map = [0, split - 1, split, VOCAB - 1, *torch.randperm(VOCAB, generator=gen)[:200].tolist()]
+    payload = {"vocab": VOCAB, "hidden": HIDDEN, "rows": ROWS, "map": hot_map}
+    results = run_tp_group("tests.rank_cases_quantized:fp8_head_cases", 2, payload)
+    _, _, dequantized = fp8_checkpoint(VOCAB, HIDDEN, seed=0)
+    _, _, new_dequantized = fp8_checkpoint(VOCAB, HIDDEN, seed=2)
+    hot = torch.tensor(sorted(set(hot_map)))
+    hidden_states = torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(1))
+    reference = hidden_states @ dequantized[hot].T
+    padded_rows = -(-VOCAB // 64) * 64 // 2  # each rank's shard: half the vocab padded to 64
+    for r in results:
+        assert r["method"] == "ModelOptFp8LinearMethod"
+        # SGLang stores the weight transposed, float8, with one scale (no CUTLASS on CPU).
+        assert r["stored"] == ((HIDDEN, padded_rows), torch.float8_e4m3fn, 1)
+        for layout in ("local", "balanced"):
+            case = r[layout]
+            offset, count = case["columns"]
+            mine = hot[offset : offset + count]
+            assert torch.equal(case["float32"][:count], dequantized[mine]), (r["rank"], layout)
+            assert torch.equal(case["bfloat16"][:count], dequantized[mine].bfloat16()), (r["rank"], layout)
+            assert not case["float32"][count:].any()  # padding slots stay zero
+            refreshed, in_place = case["refreshed"]
+            assert in_place and torch.equal(refreshed[:count], new_dequantized[mine]), (r["rank"], layout)
+    assert sum(r["local"]["columns"][1] for r in results) == len(hot)
+    for layout in ("local", "balanced"):
+        logits = [r[layout]["logits"] for r in results]
+        assert torch.equal(logits[0], logits[1]), layout
+        torch.testing.assert_close(logits[0], reference, rtol=1e-5, atol=1e-5)
+
+
+def _mixed_precision_head(quant_algo: str, group_size: int):
+    """A real ParallelLMHead of a ModelOpt MIXED_PRECISION checkpoint whose lm_head is ``quant_algo``."""
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    layers = {"lm_head": {"quant_algo": quant_algo, "group_size": group_size}}
+    config = quant_config(
+        "modelopt_mixed", {"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}}
+    )
+    return ParallelLMHead(VOCAB, HIDDEN, quant_config=config, prefix="lm_head", params_dtype=torch.bfloat16)
+
+
+def _refusal(head) -> str:
+    from sglang_frspec.adapters.head import check_head_supported
+    from sglang_frspec.core import UnsupportedSetupError
+
+    with pytest.raises(UnsupportedSetupError) as info:
+        check_head_supported(head)
+    message = str(info.value)
+    assert "sglang-frspec dequantizes the hot rows of ModelOpt FP8 per-tensor" in message
+    assert "Serve a checkpoint whose lm_head is left unquantized" in message
+    assert "drop --speculative-token-map" in message
+    return message
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_block_fp8_head_is_refused_as_sglang_cannot_load_it():
+    """FP8 block 128x128: SGLang's own vocab-parallel loader rejects the block scales, and the
+    plugin names the format if it ever meets such a head."""
+    head = _mixed_precision_head("FP8_BLOCK_SCALES", 128)
+    assert type(head.quant_method).__name__ == "Fp8LinearMethod"
+    block_scales = torch.ones(-(-VOCAB // 128), -(-HIDDEN // 128))
+    with pytest.raises(AssertionError, match="org_vocab_size"):
+        head.weight_loader(head.weight_scale_inv, block_scales)
+    message = _refusal(head)
+    assert "quantized (Fp8LinearMethod) and holds weight_scale_inv besides plain rows" in message
+    assert (
+        "a block-scaled FP8 head (weight_scale_inv), which SGLang 0.5.23's vocab-parallel loader" in message
+    )
+
+
+@pytest.mark.parametrize(
+    ("quant_algo", "group_size", "method", "held", "format_name"),
+    [
+        ("MXFP8", 32, "Fp8LinearMethod", "weight_scale_inv", "an MXFP8 head"),
+        ("NVFP4", 16, "ModelOptFp4LinearMethod", "input_scale, weight_scale, weight_scale_2", "a NVFP4 head"),
+        ("W4A16_NVFP4", 16, "ModelOptNvFp4A16LinearMethod", "input_scale, weight_scale, weight_scale_2",
+         "a W4A16 NVFP4 head"),
+    ],
+)  # fmt: skip
+@pytest.mark.usefixtures("single_rank")
+def test_other_quantized_heads_are_refused_naming_their_format(
+    quant_algo, group_size, method, held, format_name
+):
+    message = _refusal(_mixed_precision_head(quant_algo, group_size))
+    assert f"the target LM head is quantized ({method}) and holds {held} besides plain rows" in message
+    assert f"{format_name}, whose layout is not read back" in message
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_modelopt_fp8_head_outside_sglangs_stored_layout_is_refused():
+    """Before process_weights_after_loading the FP8 weight is not yet transposed: not read back."""
+    head = _mixed_precision_head("FP8", 0)
+    assert type(head.quant_method).__name__ == "ModelOptFp8LinearMethod"
+    rows = head.num_embeddings_per_partition
+    message = _refusal(head)
+    assert f"a ModelOpt FP8 head whose weight is torch.float8_e4m3fn of shape ({rows}, {HIDDEN})" in message
+    assert f"not float8_e4m3fn ({HIDDEN}, {rows}) as SGLang stores it after loading" in message
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_modelopt_fp8_head_repacked_for_marlin_is_refused():
+    quantized, scale, _ = fp8_checkpoint(VOCAB, HIDDEN, seed=0)
+    head = modelopt_fp8_head(VOCAB, HIDDEN, quantized, scale)
+    # What ModelOptFp8LinearMethod computes on a GPU without native FP8 (or SGLANG_FORCE_FP8_MARLIN=1).
+    head.quant_method.use_marlin = True
+    assert "a ModelOpt FP8 head repacked for Marlin" in _refusal(head)
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_modelopt_fp8_head_with_one_scale_per_row_is_read_and_other_scale_counts_refused():
+    """Where CUTLASS FP8 is supported, SGLang stores the per-tensor scale once per row
+    (convert_to_channelwise); any other scale count is not read."""
+    from sglang.srt.layers.quantization.utils import convert_to_channelwise
+
+    from sglang_frspec.adapters.head import check_head_supported
+    from sglang_frspec.adapters.quantized_head import read_quantized_rows
+
+    quantized, scale, dequantized = fp8_checkpoint(VOCAB, HIDDEN, seed=0)
+    head = modelopt_fp8_head(VOCAB, HIDDEN, quantized, scale)
+    per_row = convert_to_channelwise(head.weight_scale, head.logical_widths)
+    head.weight_scale = torch.nn.Parameter(per_row, requires_grad=False)
+    check_head_supported(head)
+    rows = torch.tensor([0, 5, VOCAB // 2, VOCAB - 1])
+    assert torch.equal(read_quantized_rows(head, rows, torch.float32), dequantized[rows])
+    head.weight_scale = torch.nn.Parameter(per_row[:3].clone(), requires_grad=False)
+    assert "a ModelOpt FP8 head whose weight_scale has 3 values, neither one nor one per row" in _refusal(
+        head
+    )

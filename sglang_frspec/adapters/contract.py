@@ -448,6 +448,7 @@ CONTRACT: tuple[Entry, ...] = (
     Signature("sglang.srt.speculative.spec_info:SpeculativeAlgorithm.is_eagle3", "(self)"),
     Attribute("sglang.srt.managers.tp_worker:TpModelWorker.model_runner"),
     Attribute("sglang.srt.model_executor.model_runner:ModelRunner.model"),
+    Attribute("sglang.srt.model_executor.model_runner:ModelRunner.dtype"),
     # the EAGLE draft model (Llama family): its head swap and the attributes the plugin replaces
     Signature("sglang.srt.models.llama:LlamaForCausalLM.set_embed_and_head", "(self, embed, head)"),
     Attribute("sglang.srt.models.llama_eagle:LlamaForCausalLMEagle.lm_head"),
@@ -507,6 +508,9 @@ CONTRACT: tuple[Entry, ...] = (
     Signature("sglang.srt.speculative.spec_utils:load_token_map", "(token_map_path)"),
     # head.py: the target's vocab-parallel LM head
     Attribute(f"{VOCAB_MODULE}:ParallelLMHead"),
+    # quantized_head.py: the ModelOpt FP8 head whose stored layout it reads back
+    Attribute("sglang.srt.layers.quantization.modelopt_quant:ModelOptFp8LinearMethod"),
+    Attribute("sglang.srt.layers.quantization.modelopt_quant:ModelOptFp8LinearMethod.use_marlin"),
     Signature(
         f"{VOCAB}._get_indices",
         "classmethod (cls, vocab_size_padded, org_vocab_size_padded, vocab_size, org_vocab_size, "

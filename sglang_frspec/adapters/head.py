@@ -9,8 +9,10 @@ from sglang.srt.layers.amx_utils import PackWeightMethod
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglang.srt.runtime_context import get_parallel
 
-from sglang_frspec.core import UnsupportedSetupError
+from sglang_frspec.adapters.quantized_head import check_quantized_head_readable, read_quantized_rows
+from sglang_frspec.core import HotShardPlan, UnsupportedSetupError, build_local_head
 from sglang_frspec.core.gather import AllGather
+from sglang_frspec.core.plan import plan_over_owned_rows
 
 _SLICEABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PLAIN_HEAD_TENSORS = {"weight", "bias"}  # an unquantized head (its bias is not used for logits)
@@ -59,7 +61,8 @@ def find_head_module(target_model: torch.nn.Module, head: torch.Tensor) -> Vocab
 
 
 def check_head_supported(module: VocabParallelEmbedding) -> None:
-    """Reject heads whose rows are not plain floating-point rows of the vocab shard."""
+    """Reject heads whose rows are neither plain floating-point rows of the vocab shard nor
+    quantized rows in a layout the plugin reads back."""
     weight = getattr(module, "weight", None)  # quantized heads keep e.g. `qweight` instead
     # On an AMX CPU SGLang swaps a bf16/fp16 head's method to PackWeightMethod: packed, not quantized.
     if (
@@ -76,13 +79,8 @@ def check_head_supported(module: VocabParallelEmbedding) -> None:
     # checkpoint leaves unquantized UnquantizedEmbeddingMethod or UnquantizedLinearMethod.
     quantization_tensors = _quantization_tensors(module)
     if quantization_tensors:
-        raise UnsupportedSetupError(
-            f"the target LM head is quantized ({type(module.quant_method).__name__}) and holds "
-            f"{', '.join(quantization_tensors)} besides plain rows; FR-Spec builds the draft's hot "
-            "head from plain rows of each vocab shard. Serve a checkpoint whose lm_head is left "
-            "unquantized (lm_head in the quantization config's exclude_modules / ignore / "
-            "modules_to_not_convert), or drop --speculative-token-map."
-        )
+        check_quantized_head_readable(module, quantization_tensors)
+        return
     if weight is None:
         raise UnsupportedSetupError(
             f"the target LM head ({type(module).__name__}) has no 'weight' tensor, so its rows "
@@ -112,6 +110,21 @@ def _quantization_tensors(module: VocabParallelEmbedding) -> list[str]:
     names = {name for name, _ in module.named_parameters(recurse=False)}
     names |= {name for name, _ in module.named_buffers(recurse=False)}
     return sorted(names - _PLAIN_HEAD_TENSORS)
+
+
+def build_hot_head(
+    shard: HeadShard, plan: HotShardPlan, dtype: torch.dtype, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """This rank's hot head (``build_local_head``; ``out`` is refilled in place).
+
+    A plain head's rows are taken as they are (in the head's dtype, as stock). A quantized head
+    has only the hot rows this rank owns dequantized, into ``dtype``, never its whole shard.
+    """
+    module = shard.module
+    if not _quantization_tensors(module):
+        return build_local_head(module.weight, plan, shard.rank, shard.all_gather, out=out)
+    owned = read_quantized_rows(module, plan.owned_rows(shard.rank), dtype)
+    return build_local_head(owned, plan_over_owned_rows(plan), shard.rank, shard.all_gather, out=out)
 
 
 def describe_head_shard(module: VocabParallelEmbedding) -> HeadShard:

@@ -24,6 +24,7 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
 from sglang_frspec.adapters import pd
 from sglang_frspec.adapters.head import (
     HeadShard,
+    build_hot_head,
     check_draft_supported,
     check_draft_uses_hot_head,
     check_head_supported,
@@ -36,7 +37,6 @@ from sglang_frspec.core import (
     HotShardPlan,
     TokenMapError,
     UnsupportedSetupError,
-    build_local_head,
     canonical_hot_ids,
     check_hot_ids_cover_topk,
     plan_from_ranges,
@@ -58,9 +58,7 @@ class FrSpecDraftHead:
     def refresh(self) -> None:
         """Re-read the hot rows after the target weights changed in place (all ranks call)."""
         # In place: captured graphs keep pointing at the head, and no second head is allocated.
-        build_local_head(
-            self.shard.module.weight, self.plan, self.shard.rank, self.shard.all_gather, out=self.local_head
-        )
+        build_hot_head(self.shard, self.plan, self.local_head.dtype, out=self.local_head)
 
 
 def _uses_token_map(worker) -> bool:
@@ -126,7 +124,8 @@ def around_init_lm_head(original: Callable, worker) -> None:
     agree_across_ranks(status, get_parallel().tp_group)
 
     plan = plan_from_ranges(hot.ids, shard.shard_ranges, options.layout)
-    local_head = build_local_head(head, plan, shard.rank, shard.all_gather)
+    # A quantized head's hot rows are dequantized into the dtype the draft computes in.
+    local_head = build_hot_head(shard, plan, worker.draft_runner.dtype)
     draft_model.set_embed_and_head(embed, local_head)
     try:
         check_draft_uses_hot_head(draft_model, local_head)

@@ -185,3 +185,16 @@ def plan_hot_shards(
     ids = torch.as_tensor(hot_ids, dtype=torch.int64)
     hot = canonical_hot_ids(ids, vocab_size).ids
     return plan_from_ranges(hot, vocab_shard_ranges(vocab_size, tp_size, padding_size), layout)
+
+
+def plan_over_owned_rows(plan: HotShardPlan) -> HotShardPlan:
+    """The same assignment of hot columns, over a head whose rank r shard is only the hot rows
+    it owns, in hot order (``plan.owned_rows(r)`` of the real shard, e.g. dequantized).
+
+    Hot ids become hot positions and rank r's vocab range becomes the positions of the ids it
+    owns, so counts, offsets and width are the plan's own and ``build_local_head`` over these
+    owned rows builds the head it would build over the whole shard.
+    """
+    starts = (0, *accumulate(plan.owned_counts))
+    ranges = tuple(zip(starts[:-1], starts[1:]))
+    return plan_from_ranges(torch.arange(plan.num_hot), ranges, plan.layout)

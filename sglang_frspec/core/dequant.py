@@ -1,0 +1,24 @@
+"""Dequantizing rows of a quantized LM head shard (torch only)."""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def dequantize_fp8_rows(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 ``rows`` [n, hidden] times their scale, in float32, cast to ``dtype``.
+
+    ``scale`` is one value for the whole tensor (per-tensor) or one value per row (``[n]`` or
+    ``[n, 1]``, per-channel), as the rows were quantized: ``rows = round(W / scale)``.
+    """
+    if rows.dtype not in FP8_DTYPES or rows.dim() != 2:
+        raise ValueError(f"expected 2-D float8_e4m3fn rows, got {rows.dtype} of shape {tuple(rows.shape)}")
+    if scale.numel() == 1:
+        factor = scale.reshape(()).float()
+    elif scale.numel() == rows.shape[0]:
+        factor = scale.reshape(-1, 1).float()
+    else:
+        raise ValueError(f"a scale of {scale.numel()} values fits neither a tensor nor {rows.shape[0]} rows")
+    return (rows.float() * factor).to(dtype)
