@@ -1,0 +1,114 @@
+"""Adaptive hot set: which ids to swap so the map follows the committed tokens (torch only).
+
+Scores are decayed counts of the committed tokens: at each decision every score is halved and
+the tokens committed since the last decision are added (integers, so every rank that computes
+them gets the same). Within each *swap group* (a run of hot positions and the vocab range its
+ids must come from), an id outside the map replaces the weakest id inside when its score beats
+that id's by a margin; protected ids (EOS) never leave. The number of hot ids, every group's
+share of positions and every tensor's shape stay fixed: a swap rewrites one position in place.
+
+Groups are what keeps the rows local: under the local layout rank r computes the hot positions
+of its own vocab shard, so a swap group is (rank r's positions, rank r's vocab range) and the new
+row is one the rank already holds. With one rank, the whole map is one group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_frspec.core.plan import HotShardPlan
+
+MIN_MARGIN = 2  # committed tokens (decayed) an incoming id must lead by, at the least
+MARGIN_SHIFT = 2  # ... and a quarter of the outgoing id's score: no churn between near-equals
+
+
+@dataclass(frozen=True)
+class SwapGroup:
+    """Hot positions ``[first, end)`` whose ids may only be replaced by ids in ``vocab_range``."""
+
+    first: int
+    end: int
+    vocab_range: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Swaps:
+    """One decision: hot position ``positions[i]`` changes from ``ids_out[i]`` to ``ids_in[i]``."""
+
+    positions: torch.Tensor  # int64 [n], ascending
+    ids_in: torch.Tensor  # int64 [n]
+    ids_out: torch.Tensor  # int64 [n]
+
+    def __len__(self) -> int:
+        return int(self.positions.numel())
+
+
+def swap_groups(plan: HotShardPlan) -> tuple[SwapGroup, ...]:
+    """Groups whose swaps keep every row on the rank that computes it (local layout, or one rank)."""
+    if plan.tp_size == 1:
+        return (SwapGroup(0, plan.num_hot, (0, plan.shard_ranges[0][1])),)
+    if plan.layout != "local":
+        raise ValueError(f"swaps keep rows local only under the local layout, not {plan.layout!r}")
+    return tuple(
+        SwapGroup(offset, offset + count, vocab_range)
+        for offset, count, vocab_range in zip(plan.offsets, plan.counts, plan.shard_ranges)
+    )
+
+
+def decay_scores(scores: torch.Tensor, committed_since: torch.Tensor) -> None:
+    """``scores = scores // 2 + committed_since``, in place (int64 [V])."""
+    scores.bitwise_right_shift_(1).add_(committed_since)
+
+
+def choose_swaps(
+    scores: torch.Tensor,
+    hot_ids: torch.Tensor,
+    groups: tuple[SwapGroup, ...],
+    protected: torch.Tensor,
+    max_swaps: int,
+) -> Swaps:
+    """The swaps of one decision, at most ``max_swaps`` in all, shared out over the groups.
+
+    ``scores`` int64 [V] decayed counts; ``hot_ids`` int64 [H], the current id at each hot
+    position; ``protected`` int64 ids that never leave the map.
+    """
+    per_group = -(-max_swaps // len(groups))
+    never_out = torch.iinfo(torch.int64).max
+    picked = []
+    for group in groups:
+        start, end = group.vocab_range
+        inside = hot_ids[group.first : group.end]
+        inside_scores = scores[inside].masked_fill(torch.isin(inside, protected), never_out)
+        outside_scores = scores[start:end].clone()
+        outside_scores[inside - start] = -1  # already in the map
+        n = min(per_group, inside.numel(), end - start - inside.numel())
+        if n <= 0:
+            continue
+        best_out, best_out_at = outside_scores.topk(n)
+        weak_in, weak_in_at = inside_scores.topk(n, largest=False)
+        margin = torch.clamp(weak_in >> MARGIN_SHIFT, min=MIN_MARGIN)
+        # best_out descends and weak_in ascends, so the swaps that pay are a prefix.
+        pays = (best_out > weak_in + margin) & (weak_in != never_out)
+        count = int(pays.cumprod(0).sum())
+        picked.append((group.first + weak_in_at[:count], start + best_out_at[:count]))
+    positions = torch.cat([p for p, _ in picked]) if picked else torch.zeros(0, dtype=torch.int64)
+    ids_in = torch.cat([i for _, i in picked]) if picked else torch.zeros(0, dtype=torch.int64)
+    order = positions.argsort()
+    positions, ids_in = positions[order], ids_in[order]
+    return Swaps(positions, ids_in, hot_ids[positions])
+
+
+def apply_swaps_to_local_head(
+    local_head: torch.Tensor, shard_weight: torch.Tensor, plan: HotShardPlan, rank: int, swaps: Swaps
+) -> None:
+    """Rewrite, in place, the rows of ``local_head`` whose hot positions this rank computes,
+    from its own ``shard_weight`` (the swaps come from ``swap_groups``: the rows are local)."""
+    first, end = plan.offsets[rank], plan.offsets[rank] + plan.counts[rank]
+    mine = (swaps.positions >= first) & (swaps.positions < end)
+    if not bool(mine.any()):
+        return
+    slots = (swaps.positions[mine] - first).to(local_head.device)
+    rows = (swaps.ids_in[mine] - plan.shard_ranges[rank][0]).to(shard_weight.device)
+    local_head.index_copy_(0, slots, shard_weight.index_select(0, rows).to(local_head.dtype))
