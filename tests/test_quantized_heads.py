@@ -115,22 +115,24 @@ def test_checkpoint_with_unquantized_head_serves_greedy_with_full_acceptance(qua
 
 
 @pytest.mark.multirank
-def test_modelopt_fp8_head_hot_rows_are_dequantized_at_tp2():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_modelopt_fp8_head_hot_rows_are_dequantized(tp):
     """A quantized ModelOpt FP8 head (real method, loaded by SGLang's weight_loader from values
-    quantized in the test): on a gloo TP=2 group each rank's hot head is the independent
+    quantized in the test): at TP=1 (where the plugin builds the head too) and on a gloo TP=2
+    group each rank's hot head is the independent
     dequantization of its hot rows (bit-exact in float32, exact casts in bfloat16), the draft
     logits equal ``h @ dequant(W)[hot].T``, and a refresh after an in-place update re-reads them."""
     gen = torch.Generator().manual_seed(6)
     split = vocab_shard_ranges(VOCAB, 2)[1][0]
     hot_map = [0, split - 1, split, VOCAB - 1, *torch.randperm(VOCAB, generator=gen)[:200].tolist()]
     payload = {"vocab": VOCAB, "hidden": HIDDEN, "rows": ROWS, "map": hot_map}
-    results = run_tp_group("tests.rank_cases_quantized:fp8_head_cases", 2, payload)
+    results = run_tp_group("tests.rank_cases_quantized:fp8_head_cases", tp, payload)
     _, _, dequantized = fp8_checkpoint(VOCAB, HIDDEN, seed=0)
     _, _, new_dequantized = fp8_checkpoint(VOCAB, HIDDEN, seed=2)
     hot = torch.tensor(sorted(set(hot_map)))
     hidden_states = torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(1))
     reference = hidden_states @ dequantized[hot].T
-    padded_rows = -(-VOCAB // 64) * 64 // 2  # each rank's shard: half the vocab padded to 64
+    padded_rows = -(-VOCAB // 64) * 64 // tp  # each rank's shard: its part of the vocab padded to 64
     for r in results:
         assert r["method"] == "ModelOptFp8LinearMethod"
         # SGLang stores the weight transposed, float8, with one scale (no CUTLASS on CPU).
@@ -147,7 +149,7 @@ def test_modelopt_fp8_head_hot_rows_are_dequantized_at_tp2():
     assert sum(r["local"]["columns"][1] for r in results) == len(hot)
     for layout in ("local", "balanced"):
         logits = [r[layout]["logits"] for r in results]
-        assert torch.equal(logits[0], logits[1]), layout
+        assert all(torch.equal(logits[0], other) for other in logits[1:]), layout
         torch.testing.assert_close(logits[0], reference, rtol=1e-5, atol=1e-5)
 
 
@@ -249,3 +251,32 @@ def test_modelopt_fp8_head_with_one_scale_per_row_is_read_and_other_scale_counts
     assert "a ModelOpt FP8 head whose weight_scale has 3 values, neither one nor one per row" in _refusal(
         head
     )
+
+
+@pytest.mark.usefixtures("single_rank")
+@pytest.mark.parametrize(("num_hot", "warns"), [(100, False), (3000, True)])
+def test_startup_log_compares_the_hot_head_with_the_quantized_shard(caplog, num_hot, warns):
+    """Bytes a draft step reads: the bf16 hot head against the FP8 shard (weight + two scalar
+    scales); a warning once the hot head is the larger."""
+    import logging
+
+    from sglang_frspec.adapters.head import build_hot_head, describe_head_shard
+    from sglang_frspec.adapters.worker import log_quantized_head_bytes
+    from sglang_frspec.core import plan_from_ranges
+
+    quantized, scale, _ = fp8_checkpoint(VOCAB, HIDDEN, seed=0)
+    shard = describe_head_shard(modelopt_fp8_head(VOCAB, HIDDEN, quantized, scale))
+    plan = plan_from_ranges(torch.arange(num_hot), shard.shard_ranges, "balanced")
+    hot_head = build_hot_head(shard, plan, torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="sglang_frspec.adapters.worker"):
+        log_quantized_head_bytes(shard, hot_head)
+    hot_mib, shard_mib = num_hot * HIDDEN * 2 / 2**20, (-(-VOCAB // 64) * 64 * HIDDEN + 2 * 4) / 2**20
+    assert (
+        "the target LM head is quantized (ModelOptFp8LinearMethod); its hot rows are dequantized into "
+        f"torch.bfloat16: a draft step reads {hot_mib:.2f} MiB of hot head per rank instead of "
+        f"{shard_mib:.2f} MiB of the quantized vocab shard"
+    ) in caplog.text
+    warning = (
+        f"the dequantized hot head ({hot_mib:.2f} MiB per rank) is larger than the quantized vocab shard"
+    )
+    assert (warning in caplog.text) == warns

@@ -127,6 +127,15 @@ def build_hot_head(
     return build_local_head(owned, plan_over_owned_rows(plan), shard.rank, shard.all_gather, out=out)
 
 
+def quantized_head_bytes(module: VocabParallelEmbedding) -> int | None:
+    """Bytes this rank's quantized head shard holds (weight and scales), what a full-vocab step
+    streams; None for a plain head."""
+    if not _quantization_tensors(module):
+        return None
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def describe_head_shard(module: VocabParallelEmbedding) -> HeadShard:
     """Every rank's vocab range, computed with SGLang's own ``_get_indices`` (no collective)."""
     tp_size = module.tp_size if module.enable_tp else 1

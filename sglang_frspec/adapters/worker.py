@@ -30,6 +30,7 @@ from sglang_frspec.adapters.head import (
     check_head_supported,
     describe_head_shard,
     find_head_module,
+    quantized_head_bytes,
 )
 from sglang_frspec.adapters.logits import FrSpecLogitsProcessor
 from sglang_frspec.adapters.token_map import load_token_map_ids
@@ -164,6 +165,7 @@ def around_init_lm_head(original: Callable, worker) -> None:
                 hot.num_duplicates,
                 len(hot),
             )
+        log_quantized_head_bytes(shard, local_head)
         logger.info(
             "sglang-frspec: %d hot ids over %d rank(s), layout=%s exchange=%s, "
             "columns per rank %s (width %d, max/mean %.2f)",
@@ -174,6 +176,30 @@ def around_init_lm_head(original: Callable, worker) -> None:
             list(plan.counts),
             plan.width,
             plan.imbalance,
+        )
+
+
+def log_quantized_head_bytes(shard: HeadShard, local_head: torch.Tensor) -> None:
+    """Rank 0: what a draft step reads per rank with a dequantized hot head against the quantized
+    vocab shard; a warning when the hot head reads more (a large map over a small FP8 vocab)."""
+    shard_bytes = quantized_head_bytes(shard.module)
+    if shard_bytes is None:
+        return
+    hot_bytes = local_head.numel() * local_head.element_size()
+    logger.info(
+        "sglang-frspec: the target LM head is quantized (%s); its hot rows are dequantized into %s: "
+        "a draft step reads %.2f MiB of hot head per rank instead of %.2f MiB of the quantized vocab shard",
+        type(shard.module.quant_method).__name__,
+        local_head.dtype,
+        hot_bytes / 2**20,
+        shard_bytes / 2**20,
+    )
+    if hot_bytes > shard_bytes:
+        logger.warning(
+            "sglang-frspec: the dequantized hot head (%.2f MiB per rank) is larger than the quantized "
+            "vocab shard it replaces (%.2f MiB); a smaller --speculative-token-map reads less.",
+            hot_bytes / 2**20,
+            shard_bytes / 2**20,
         )
 
 
