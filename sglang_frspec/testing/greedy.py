@@ -4,9 +4,9 @@ Two correct greedy decoders (plain decoding and speculative verification) run di
 shapes and kernels, so at a near-tie of the target's top-2 logits float32 rounding may break the
 tie either way; from there on the two sequences legitimately differ. ``compare_greedy`` accepts
 a sequence's first divergence only where an independent float32 forward of the target (HF
-transformers ``LlamaForCausalLM`` on the common prefix, from the checkpoint on disk) shows the two
-diverging tokens as its top-2 with a margin below ``epsilon``; the rest of that sequence is then
-not compared. Any other difference fails.
+transformers ``AutoModelForCausalLM``, the checkpoint's own architecture, on the common prefix,
+from the checkpoint on disk) shows the two diverging tokens as its top-2 with a margin below
+``epsilon``; the rest of that sequence is then not compared. Any other difference fails.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class Divergence:
 
 @functools.lru_cache(maxsize=2)
 def _load_target(path: str):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def next_token_logits(target_path: str, input_ids: list[int]) -> torch.Tensor:
@@ -51,6 +51,14 @@ def next_token_logits(target_path: str, input_ids: list[int]) -> torch.Tensor:
     model = _load_target(target_path)
     with torch.no_grad():
         return model(torch.tensor([input_ids])).logits[0, -1].float()
+
+
+def reference_greedy(target_path: str, prompt: list[int], new_tokens: int) -> list[int]:
+    """``new_tokens`` greedy tokens after ``prompt`` from HF forwards of the target (no KV cache)."""
+    ids = list(prompt)
+    for _ in range(new_tokens):
+        ids.append(int(next_token_logits(target_path, ids).argmax()))
+    return ids[len(prompt) :]
 
 
 def first_divergence(
