@@ -1,0 +1,164 @@
+"""Serve every tiny architecture of ``architectures.py`` at TP=2 on CPU: plain greedy, then EAGLE
+(or NEXTN) + token map + this plugin; outputs compared tie-aware, accept length and the
+plugin's line recorded, or the error that stopped a server.
+
+    .venv/bin/python benchmarks/sweep_architectures.py --out docs/results/architecture-sweep-cpu
+    .venv/bin/python benchmarks/sweep_architectures.py --only gemma3_softcap qwen2
+    .venv/bin/python benchmarks/sweep_architectures.py --report docs/results/architecture-sweep-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
+
+from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
+from sglang_frspec.testing.greedy import compare_greedy, reference_greedy  # noqa: E402
+from sglang_frspec.testing.server import ServerError, SGLangServer, plugin_activity  # noqa: E402
+
+TP = 2
+NEW_TOKENS = 24
+PROMPTS = [[5, 77, 1203], [4000, 17], [9, 9, 9, 9, 2500]]
+_ERROR_LINE = re.compile(r"^\s*(?:\w+\.)*\w*(?:Error|Exception|NotImplemented\w*)\b.*$", re.M)
+
+
+def serve(fixture, log_path: Path, speculative: list[str] | None) -> SGLangServer:
+    """A CPU TP=2 server of the fixture's target; ``speculative`` adds the draft (and map)."""
+    args = ["--model-path", fixture.target, "--tp-size", str(TP), *CPU_SERVER_ARGS, *(speculative or [])]
+    return SGLangServer(args, cpu_env(TP), log_path, forked=True)
+
+
+def first_error(log: str) -> str:
+    """The first exception line of a server log (the one that ended it), else its last line."""
+    found = _ERROR_LINE.findall(log)
+    lines = [line for line in found if "Warning" not in line]
+    return (lines[0] if lines else log.strip().splitlines()[-1]).strip()[:400]
+
+
+def run_server(fixture, log_path: Path, speculative: list[str] | None) -> dict:
+    """Outputs and accept lengths of one server, or the error that stopped it."""
+    start = time.monotonic()
+    server = serve(fixture, log_path, speculative)
+    try:
+        with server:
+            outs = server.generate(PROMPTS, NEW_TOKENS)
+            log = server.log()
+    except ServerError:
+        return {"error": first_error(log_path.read_text(errors="replace")), "log": str(log_path),
+                "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
+    return {
+        "output_ids": [o["output_ids"] for o in outs],
+        "accept_lengths": [o["meta_info"].get("spec_accept_length") for o in outs],
+        "plugin": plugin_activity(log),
+        "seconds": round(time.monotonic() - start, 1),
+        "log": str(log_path),
+    }
+
+
+def agrees_with_hf(target: str, outputs: list[list[int]]) -> str:
+    """Whether SGLang's plain greedy outputs equal HF's, up to near-ties (else the first difference)."""
+    try:
+        hf = [reference_greedy(target, p, NEW_TOKENS) for p in PROMPTS]
+        ties = compare_greedy(target, PROMPTS, outputs, hf)
+    except AssertionError as e:
+        return f"no: {str(e)[:300]}"
+    except Exception as e:  # noqa: BLE001 - HF lacking this architecture is a result, not the end
+        return f"not checked: {type(e).__name__}: {str(e)[:200]}"
+    return f"yes ({len(ties)} near-tie(s))" if ties else "yes"
+
+
+def sweep_one(name: str, log_dir: Path) -> dict:
+    """Plain greedy and the speculative server for architecture ``name``, compared."""
+    arch = ARCHITECTURES[name]
+    row = {"name": name, "target": arch.config["architectures"][0], "head": arch.head,
+           "draft": arch.draft, "algorithm": arch.algorithm}  # fmt: skip
+    try:
+        fixture = architecture_fixture(name)
+    except Exception as e:  # noqa: BLE001 - a builder failing is a result of the sweep, not its end
+        return row | {"status": "build failed", "error": f"{type(e).__name__}: {e}"[:400]}
+    plain = run_server(fixture, log_dir / f"{name}-plain.log", None)
+    row["plain"] = plain
+    if "error" in plain:
+        return row | {"status": "plain server failed", "error": plain["error"]}
+    row["plain_equals_hf"] = agrees_with_hf(fixture.target, plain["output_ids"])
+    speculative = eagle_args(fixture.draft, fixture.token_map("hot"), algorithm=arch.algorithm)
+    spec = run_server(fixture, log_dir / f"{name}-plugin.log", speculative)
+    row["plugin_server"] = spec
+    if "error" in spec:
+        return row | {"status": "plugin server failed", "error": spec["error"]}
+    try:
+        ties = compare_greedy(fixture.target, PROMPTS, spec["output_ids"], plain["output_ids"])
+    except AssertionError as e:
+        return row | {"status": "outputs differ", "error": str(e)[:400]}
+    row["ties"] = [f"sequence {d.sequence} token {d.position} margin {d.margin:.2g}" for d in ties]
+    active = bool(spec["plugin"]) and spec["plugin"][0][1] == TP
+    return row | {"status": "served, equal to greedy" if active else "served, plugin line missing"}
+
+
+def table(rows: list[dict]) -> str:
+    """The sweep as a fixed-width text table, with each failure's error below it."""
+    lines = [f"{'architecture':<20} {'target class':<24} {'algo':<6} {'result':<28} {'accept len':<18} "
+             f"{'plain = HF':<11} plugin line", "-" * 132]  # fmt: skip
+    notes = []
+    for row in rows:
+        spec = row.get("plugin_server", {})
+        accept = "/".join(f"{a:.2f}" for a in spec.get("accept_lengths") or [] if a is not None) or "-"
+        plugin = ", ".join(f"{n} hot ids, tp {tp}, {layout}/{exchange}" for n, tp, layout, exchange in
+                           spec.get("plugin", [])) or "-"  # fmt: skip
+        hf = row.get("plain_equals_hf", "-").split(":")[0]
+        lines.append(f"{row['name']:<20} {row['target']:<24} {row['algorithm']:<6} {row['status']:<28} "
+                     f"{accept:<18} {hf:<11} {plugin}")  # fmt: skip
+        if "error" in row:
+            notes.append(f"{row['name']}: {row['error']}")
+        if row.get("plain_equals_hf", "yes").startswith(("no", "not")):
+            notes.append(f"{row['name']}: plain SGLang vs HF: {row['plain_equals_hf']}")
+        for tie in row.get("ties", []):
+            notes.append(f"{row['name']}: accepted near-tie at {tie}")
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=sorted(ARCHITECTURES), help="architectures to serve")
+    parser.add_argument(
+        "--out", type=Path, help="write OUT.txt (table) and OUT.json (rows); rows of an existing OUT.json "
+        "for architectures not served now are kept"
+    )  # fmt: skip
+    parser.add_argument("--report", type=Path, help="reprint the table of a saved OUT.json")
+    args = parser.parse_args(argv)
+    if args.report:
+        print(table(json.loads(args.report.read_text())["rows"]))
+        return 0
+    log_dir = Path(tempfile.mkdtemp(prefix="arch-sweep-"))
+    served = {}
+    for name in args.only or list(ARCHITECTURES):
+        print(f"== {name}", flush=True)
+        served[name] = sweep_one(name, log_dir) | {"logs": str(log_dir), "cpu_count": os.cpu_count()}
+        print(f"   {served[name]['status']}: {served[name].get('error', '')}", flush=True)
+    previous = {}
+    if args.out and args.out.with_suffix(".json").exists():
+        previous = {row["name"]: row for row in json.loads(args.out.with_suffix(".json").read_text())["rows"]}
+    rows = [
+        served.get(name) or previous[name] for name in ARCHITECTURES if name in served or name in previous
+    ]
+    text = table(rows)
+    print(text)
+    if args.out:
+        meta = {"tp": TP, "new_tokens": NEW_TOKENS, "prompts": PROMPTS}
+        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        args.out.with_suffix(".txt").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
