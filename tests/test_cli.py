@@ -75,3 +75,30 @@ def test_demo_main_job(tmp_path):
     for run in ("EAGLE, no map (stock)", "EAGLE + map"):
         row = next(line for line in out.stdout.splitlines() if line.startswith(run))
         assert row.split()[-3:-1] == ["yes", "3.00"], row
+
+
+def test_plan_head_bytes_per_rank_against_the_quantized_vocab_shard(tmp_path):
+    """--hidden/--head-format: the busiest rank's hot head (bf16 for quantized heads) against its
+    full-vocab shard in the head's format (fp8: 1 byte, nvfp4: 4 bits + an fp8 scale per 16)."""
+    vocab, hidden = 128256, 4096
+    s1 = vocab_shard_ranges(vocab, 2)[1][0]
+    torch.save(torch.cat([torch.arange(0, 3000), torch.arange(s1, s1 + 1000)]), tmp_path / "map.pt")
+    args = ["plan", "--token-map", str(tmp_path / "map.pt"), "--vocab-size", str(vocab), "--tp", "2"]
+    local, balanced = json.loads(cli(*args, "--hidden", str(hidden), "--head-format", "fp8", "--json").stdout)
+    shard_rows = 64128  # 128256 / 2 (already a multiple of 64)
+    assert local["head_bytes_per_rank"] == {
+        "hot_head": 3000 * hidden * 2, "vocab_shard": shard_rows * hidden, "head_format": "fp8"
+    }  # fmt: skip
+    assert balanced["head_bytes_per_rank"]["hot_head"] == 2000 * hidden * 2
+    table = cli(*args, "--hidden", str(hidden), "--head-format", "nvfp4").stdout
+    nvfp4_shard = shard_rows * hidden * 9 // 16
+    assert f"{3000 * hidden * 2:,} B of bf16 hot head instead of {nvfp4_shard:,} B of the nvfp4" in table
+    assert "reads MORE" not in table
+    plain = json.loads(cli(*args, "--hidden", str(hidden), "--head-format", "fp32", "--json").stdout)[0]
+    assert plain["head_bytes_per_rank"]["hot_head"] == 3000 * hidden * 4  # a plain head's rows as they are
+    # A map of most of a small vocab: the bf16 hot rows read more than the 4.5-bit shard.
+    torch.save(torch.arange(600), tmp_path / "big.pt")
+    small = ["plan", "--token-map", str(tmp_path / "big.pt"), "--vocab-size", "1000", "--tp", "1"]
+    table = cli(*small, "--hidden", "64", "--head-format", "nvfp4", "--layout", "balanced").stdout
+    assert f"{600 * 64 * 2:,} B of bf16 hot head instead of {1000 * 64 * 9 // 16:,} B" in table
+    assert "(the hot head reads MORE: a smaller map reads less)" in table

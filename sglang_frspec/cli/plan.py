@@ -7,6 +7,7 @@ import json
 import sys
 
 from sglang_frspec.core import LAYOUTS, HotShardPlan, plan_hot_shards
+from sglang_frspec.core.dequant import HEAD_FORMAT_BITS, head_bytes
 from sglang_frspec.core.exchange_rule import auto_exchange
 from sglang_frspec.core.plan import DEFAULT_VOCAB_PADDING_SIZE
 from sglang_frspec.core.token_map import read_token_map
@@ -42,6 +43,16 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda", help="device type the auto rule assumes"
+    )
+    p.add_argument(
+        "--hidden", type=int, help="hidden size: also show the bytes a draft step reads of the head per rank"
+    )
+    p.add_argument(
+        "--head-format",
+        choices=list(HEAD_FORMAT_BITS),
+        default="bf16",
+        help="the target LM head's format, for --hidden (the plugin serves fp32/bf16/fp16 heads and "
+        "ModelOpt fp8 ones, whose hot rows it dequantizes; bf16 is assumed for them)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
@@ -88,15 +99,48 @@ def format_table(plan: HotShardPlan, dtype_bytes: int, k: int, picks: dict[int, 
     return "\n".join(lines)
 
 
+def hot_head_format(head_format: str) -> str:
+    """The hot head's format: a plain head's rows as they are, quantized rows dequantized (bf16)."""
+    return head_format if HEAD_FORMAT_BITS[head_format] >= 16 else "bf16"
+
+
+def head_bytes_per_rank(plan: HotShardPlan, hidden: int, head_format: str) -> dict[str, int]:
+    """Bytes a draft step reads of the head on the busiest rank: the hot head against the
+    target's full-vocab shard (its vocab rows, padding aside) in its own format."""
+    shard_rows = max(end - start for start, end in plan.shard_ranges)
+    return {
+        "hot_head": head_bytes(plan.width, hidden, hot_head_format(head_format)),
+        "vocab_shard": head_bytes(shard_rows, hidden, head_format),
+    }
+
+
+def format_head_bytes(head: dict[str, int], head_format: str) -> str:
+    """One line: the hot head's bytes per rank against the full-vocab shard's."""
+    more = head["hot_head"] > head["vocab_shard"]
+    note = " (the hot head reads MORE: a smaller map reads less)" if more else ""
+    return (
+        f"head read per draft step and rank: {head['hot_head']:,} B of {hot_head_format(head_format)} "
+        f"hot head instead of {head['vocab_shard']:,} B of the {head_format} vocab shard{note}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     plans = make_plans(args)
+    heads = [head_bytes_per_rank(p, args.hidden, args.head_format) if args.hidden else None for p in plans]
     if args.json:
         described = [
-            {**p.describe(args.dtype_bytes, args.topk), "auto_exchange": auto_picks(p, args)} for p in plans
+            {**p.describe(args.dtype_bytes, args.topk), "auto_exchange": auto_picks(p, args)}
+            | ({"head_bytes_per_rank": head | {"head_format": args.head_format}} if head else {})
+            for p, head in zip(plans, heads)
         ]
         print(json.dumps(described, indent=2))
     else:
-        print("\n\n".join(format_table(p, args.dtype_bytes, args.topk, auto_picks(p, args)) for p in plans))
+        tables = [
+            format_table(p, args.dtype_bytes, args.topk, auto_picks(p, args))
+            + (f"\n{format_head_bytes(head, args.head_format)}" if head else "")
+            for p, head in zip(plans, heads)
+        ]
+        print("\n\n".join(tables))
     if args.plot:
         from sglang_frspec.maps import plot_plans
 
