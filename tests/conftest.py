@@ -52,6 +52,19 @@ def no_option_leaks():
         pytest.fail(f"test left {', '.join(changed)} changed in os.environ (restored now)", pytrace=False)
 
 
+@pytest.fixture
+def options_unset(monkeypatch):
+    """Every option variable unset for the test and restored after it, even when the test (or
+    ``set_options``) writes them: ``delenv`` alone records nothing for a variable that is not set,
+    so ``setenv`` first makes monkeypatch remember the variable's prior state."""
+    from sglang_frspec.core.options import OPTION_ENVS
+
+    for name in OPTION_ENVS:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
 @pytest.fixture(scope="session")
 def perm():
     """The permutation fixture (V=32000)."""

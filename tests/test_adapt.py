@@ -7,7 +7,9 @@ import torch
 
 from sglang_frspec.core import plan_from_ranges, vocab_shard_ranges
 from sglang_frspec.core.adapt import (
+    MARGIN_SHIFT,
     MIN_MARGIN,
+    SCORE_SHIFT,
     SwapGroup,
     apply_swaps_to_local_head,
     choose_swaps,
@@ -19,21 +21,26 @@ VOCAB = 1000
 
 
 def test_scores_halve_then_add_what_was_committed_since():
-    scores = torch.tensor([0, 7, 100, 3])
+    scores = torch.tensor([0, 7, 100, 3]) << SCORE_SHIFT
     decay_scores(scores, torch.tensor([5, 0, 1, 0]))
-    assert scores.tolist() == [5, 3, 51, 1]
+    half = SCORE_SHIFT - 1
+    assert scores.tolist() == [5 << SCORE_SHIFT, 7 << half, 51 << SCORE_SHIFT, 3 << half]
+    once = torch.tensor([1]) << SCORE_SHIFT
+    for _ in range(SCORE_SHIFT):
+        decay_scores(once, torch.tensor([0]))
+    assert once.item() == 1  # a token committed once still leads the never-committed
 
 
 def test_frequent_outside_ids_replace_the_weakest_inside_ones_eos_stays():
     hot = torch.tensor([2, 10, 11, 12, 13])  # position order; 2 is EOS
     scores = torch.zeros(VOCAB, dtype=torch.int64)
-    scores[[10, 11, 12, 13]] = torch.tensor([50, 0, 9, 40])
-    scores[[500, 600, 700]] = torch.tensor([30, 11, 9])  # 9 does not beat 9 + margin
+    scores[[10, 11, 12, 13]] = torch.tensor([50, 0, 9, 40]) << SCORE_SHIFT
+    scores[[500, 600, 700]] = torch.tensor([30, 11, 9]) << SCORE_SHIFT  # 9 does not beat 9 + margin
     swaps = choose_swaps(scores, hot, (SwapGroup(0, 5, (0, VOCAB)),), torch.tensor([2]), max_swaps=8)
     # 500 replaces 11 (score 0); the next weakest is 12 (9: EOS is protected), and 600's 11 does
-    # not beat 9 + max(2, 9 >> 2): one swap only.
+    # not beat 9 by the margin (a quarter of 9, at least MIN_MARGIN): one swap only.
     assert (swaps.positions.tolist(), swaps.ids_in.tolist(), swaps.ids_out.tolist()) == ([2], [500], [11])
-    scores[600] = 9 + MIN_MARGIN + 1
+    scores[600] = (9 << SCORE_SHIFT) + max(MIN_MARGIN << SCORE_SHIFT, (9 << SCORE_SHIFT) >> MARGIN_SHIFT) + 1
     swaps = choose_swaps(scores, hot, (SwapGroup(0, 5, (0, VOCAB)),), torch.tensor([2]), max_swaps=8)
     assert sorted(zip(swaps.ids_out.tolist(), swaps.ids_in.tolist())) == [(11, 500), (12, 600)]
     assert swaps.positions.tolist() == [2, 3]  # ascending positions
@@ -44,7 +51,7 @@ def test_frequent_outside_ids_replace_the_weakest_inside_ones_eos_stays():
 def test_nothing_to_swap():
     hot = torch.tensor([1, 2, 3])
     scores = torch.zeros(VOCAB, dtype=torch.int64)
-    scores[hot] = 10
+    scores[hot] = 10 << SCORE_SHIFT
     group = (SwapGroup(0, 3, (0, VOCAB)),)
     assert len(choose_swaps(scores, hot, group, torch.zeros(0, dtype=torch.int64), 4)) == 0
 
@@ -55,7 +62,7 @@ def test_local_groups_swap_within_each_ranks_vocab_shard():
     groups = swap_groups(plan)
     assert groups == (SwapGroup(0, 3, ranges[0]), SwapGroup(3, 5, ranges[1]))
     scores = torch.zeros(VOCAB, dtype=torch.int64)
-    scores[[700, 701, 702]] = 100  # all on rank 1: only rank 1's two positions can take them
+    scores[[700, 701, 702]] = 100 << SCORE_SHIFT  # all on rank 1: only rank 1's two positions can take them
     swaps = choose_swaps(scores, plan.hot_ids, groups, torch.zeros(0, dtype=torch.int64), max_swaps=8)
     assert swaps.positions.tolist() == [3, 4] and set(swaps.ids_in.tolist()) <= {700, 701, 702}
     assert swaps.ids_out.tolist() == [600, 601]
@@ -75,7 +82,7 @@ def test_swapped_rows_equal_the_rows_of_the_new_ids(tp):
     scores = torch.zeros(VOCAB, dtype=torch.int64)
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[plan.hot_ids] = False
-    scores[torch.nonzero(outside).flatten()[::7]] = 50  # spread over every shard
+    scores[torch.nonzero(outside).flatten()[::7]] = 50 << SCORE_SHIFT  # spread over every shard
     swaps = choose_swaps(scores, plan.hot_ids, swap_groups(plan), torch.zeros(0, dtype=torch.int64), 12)
     assert len(swaps) == 12
     new_hot = plan.hot_ids.clone()

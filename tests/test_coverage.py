@@ -22,8 +22,6 @@ from sglang_frspec.core.coverage import CommittedTokenCounts, CoverageTotals
 from sglang_frspec.core.options import (
     COUNTS_ENV,
     COVERAGE_ENV,
-    EXCHANGE_ENV,
-    LAYOUT_ENV,
     FrSpecOptions,
     set_options,
 )
@@ -132,14 +130,6 @@ def test_cuda_counts_on_a_side_stream_are_snapshotted_in_stream_order():
     assert (totals.committed, totals.verify_rows) == (sum(expected.values()), rows)
 
 
-@pytest.fixture
-def options_unset(monkeypatch):
-    for name in (LAYOUT_ENV, EXCHANGE_ENV, COVERAGE_ENV, COUNTS_ENV):
-        monkeypatch.setenv(name, "")  # so monkeypatch restores it even if set_options writes it
-        monkeypatch.delenv(name)
-    return monkeypatch
-
-
 def test_coverage_options(options_unset, tmp_path):
     assert FrSpecOptions.from_env().coverage and FrSpecOptions.from_env().counts_path is None
     for value, expected in (("0", False), (" Off ", False), ("1", True), ("true", True)):
@@ -200,24 +190,32 @@ def committed_tokens(perm, outs, starts=STARTS, new=NEW) -> list[int]:
     return tokens
 
 
+def simulated_verify(perm, start: int, out, hot: set[int], steps: int = 2) -> tuple[list[int], int]:
+    """The accepted drafts and verify steps of one request, from its output alone: the permutation
+    draft proposes the chain, restricted to the map ``hot``; so a step accepts the leading hot
+    tokens (at most ``steps``) of what is still to come and commits the next one as its bonus."""
+    meta = out["meta_info"]
+    tokens = perm.chain[start + 4 : start + 4 + meta["spec_num_correct_drafts"] + meta["spec_verify_ct"]]
+    accepted, i, request_steps = [], 0, 0
+    while i < len(tokens):
+        drafted = 0
+        while drafted < steps and i + drafted < len(tokens) and tokens[i + drafted] in hot:
+            drafted += 1
+        accepted += tokens[i : i + drafted]
+        i += drafted + 1  # and the bonus token
+        request_steps += 1
+    assert i == len(tokens), (start, i, meta)
+    return accepted, request_steps
+
+
 def verify_steps(perm, outs, hot: set[int], steps: int = 2) -> tuple[list[int], int]:
-    """The accepted drafts and the number of verify steps, from the outputs alone: the permutation
-    draft proposes the chain, restricted to the map; so a step accepts the leading hot tokens (at
-    most ``steps``) of what is still to come and commits the next one as its bonus token. Checked
-    against SGLang's per-request verify count."""
+    """The accepted drafts and the number of verify steps of ``outs`` (from STARTS), simulated, and
+    checked against SGLang's per-request verify count."""
     accepted, total_steps = [], 0
     for s, out in zip(STARTS, outs):
-        meta = out["meta_info"]
-        tokens = perm.chain[s + 4 : s + 4 + meta["spec_num_correct_drafts"] + meta["spec_verify_ct"]]
-        i = request_steps = 0
-        while i < len(tokens):
-            drafted = 0
-            while drafted < steps and i + drafted < len(tokens) and tokens[i + drafted] in hot:
-                drafted += 1
-            accepted += tokens[i : i + drafted]
-            i += drafted + 1  # and the bonus token
-            request_steps += 1
-        assert (i, request_steps) == (len(tokens), meta["spec_verify_ct"]), (s, i, request_steps, meta)
+        drafts, request_steps = simulated_verify(perm, s, out, hot, steps)
+        assert request_steps == out["meta_info"]["spec_verify_ct"], (s, request_steps, out["meta_info"])
+        accepted += drafts
         total_steps += request_steps
     return accepted, total_steps
 

@@ -11,17 +11,6 @@ from sglang_frspec import FrSpecOptions, UnsupportedSetupError, set_options
 from sglang_frspec.core.options import EXCHANGE_ENV, LAYOUT_ENV
 
 
-@pytest.fixture
-def options_unset(monkeypatch):
-    """Both option variables unset for the test and restored after it, even when the test (or
-    ``set_options``) writes them: ``delenv`` alone records nothing for a variable that is not set,
-    so ``setenv`` first makes monkeypatch remember the variable's prior state."""
-    for name in (LAYOUT_ENV, EXCHANGE_ENV):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-    return monkeypatch
-
-
 def test_defaults_and_env(options_unset):
     assert FrSpecOptions.from_env() == FrSpecOptions(layout="balanced", exchange="full")
     options_unset.setenv(LAYOUT_ENV, " Local ")
@@ -76,3 +65,28 @@ def test_which_exchange_runs_fixed_fallback_and_auto():
     assert exchange_for_step("full", plan, 64, 4, 4, "cpu") == "full"
     assert exchange_for_step("auto", plan, 1, 4, 4, "cpu") == "topk"  # auto: the rule's pick
     assert exchange_for_step("auto", plan, 1, 4, 2, "cuda") == "full"
+
+
+def test_adaptation_options(options_unset):
+    from sglang_frspec.core.options import ADAPT_ENV, ADAPT_INTERVAL_ENV, COVERAGE_ENV, DEFAULT_ADAPT_INTERVAL
+
+    default = FrSpecOptions.from_env()
+    assert (default.adapt, default.adapt_interval) == (False, DEFAULT_ADAPT_INTERVAL)
+    options_unset.setenv(ADAPT_ENV, "1")
+    options_unset.setenv(ADAPT_INTERVAL_ENV, " 16 ")
+    assert (FrSpecOptions.from_env().adapt, FrSpecOptions.from_env().adapt_interval) == (True, 16)
+    options_unset.setenv(ADAPT_INTERVAL_ENV, "often")
+    with pytest.raises(UnsupportedSetupError, match="SGLANG_FRSPEC_ADAPT_INTERVAL='often': give the number"):
+        FrSpecOptions.from_env()
+    options_unset.setenv(ADAPT_INTERVAL_ENV, "0")
+    with pytest.raises(UnsupportedSetupError, match="must be at least 1"):
+        FrSpecOptions.from_env()
+    options_unset.delenv(ADAPT_INTERVAL_ENV)
+    options_unset.setenv(COVERAGE_ENV, "0")
+    with pytest.raises(UnsupportedSetupError, match="follows the counts of the committed tokens"):
+        FrSpecOptions.from_env()
+    options_unset.delenv(COVERAGE_ENV)
+    options_unset.delenv(ADAPT_ENV)
+    chosen = set_options(adapt=True, adapt_interval=8)
+    assert (chosen.adapt, chosen.adapt_interval) == (True, 8) and FrSpecOptions.from_env() == chosen
+    assert (os.environ[ADAPT_ENV], os.environ[ADAPT_INTERVAL_ENV]) == ("1", "8")

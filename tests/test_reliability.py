@@ -61,6 +61,14 @@ UNSUPPORTED = [
     (["--enable-multi-layer-eagle"], "cannot be combined with --enable-multi-layer-eagle"),
     (["--load-format", "gguf"], "cannot be used with a GGUF target"),
 ]
+ADAPT = {"SGLANG_FRSPEC_ADAPT": "1"}
+ADAPT_REFUSED = {  # name: (extra args, env, message)
+    "balanced": ([], ADAPT | {"SGLANG_FRSPEC_LAYOUT": "balanced"}, "needs SGLANG_FRSPEC_LAYOUT=local"),
+    "pd": (["--disaggregation-mode", "decode"], ADAPT | {"SGLANG_FRSPEC_LAYOUT": "local"},
+           "cannot serve a prefill/decode deployment"),
+    "no coverage": ([], ADAPT | {"SGLANG_FRSPEC_COVERAGE": "0"},
+                    "follows the counts of the committed tokens"),
+}  # fmt: skip
 # Upstream refuses a map only after the weights load (and lets a whole-vocab map through).
 REJECTION_SAMPLING = ["--speculative-use-rejection-sampling", "--speculative-eagle-topk", "1",
                       "--speculative-num-draft-tokens", "3"]  # fmt: skip
@@ -72,14 +80,18 @@ def argument_time_exits(perm, tmp_path_factory) -> dict[str, tuple[int | None, s
     launcher's first imports), run to its exit a core's worth at a time: {case: (exit status or
     None if still running after ARGUMENT_TIME_EXIT, log)}."""
     tmp_path = tmp_path_factory.mktemp("argument-time")
-    cases = {f"map {case}": (_write_map(tmp_path, case), []) for case in BAD_MAPS}
-    cases |= {f"args {' '.join(extra)}": (perm.token_map("hot"), extra) for extra, _ in UNSUPPORTED}
-    cases["rejection sampling"] = (perm.token_map("hot"), REJECTION_SAMPLING)
+    cases = {f"map {case}": (_write_map(tmp_path, case), [], {}) for case in BAD_MAPS}
+    cases |= {f"args {' '.join(extra)}": (perm.token_map("hot"), extra, {}) for extra, _ in UNSUPPORTED}
+    cases["rejection sampling"] = (perm.token_map("hot"), REJECTION_SAMPLING, {})
+    cases |= {
+        f"adapt {name}": (perm.token_map("hot"), extra, env)
+        for name, (extra, env, _) in ADAPT_REFUSED.items()
+    }
 
     def launch(i: int, case: str) -> tuple[int | None, str]:
-        token_map, extra = cases[case]
+        token_map, extra, env = cases[case]
         log = tmp_path / f"launch{i}.log"
-        server = fixture_server(perm, 2, log, token_map, extra=tuple(extra)).start()
+        server = fixture_server(perm, 2, log, token_map, extra=tuple(extra), env=env).start()
         try:
             status = server.wait_exit(ARGUMENT_TIME_EXIT)
         except ServerError:
@@ -108,6 +120,11 @@ def test_bad_map_fails_fast_before_device_work(argument_time_exits, case):
 @pytest.mark.parametrize(("extra", "message"), UNSUPPORTED)
 def test_unsupported_combinations_are_rejected_at_argument_time(argument_time_exits, extra, message):
     _rejected_at_argument_time(argument_time_exits, f"args {' '.join(extra)}", message)
+
+
+@pytest.mark.parametrize("name", sorted(ADAPT_REFUSED))
+def test_adaptation_it_cannot_serve_is_refused_at_argument_time(argument_time_exits, name):
+    _rejected_at_argument_time(argument_time_exits, f"adapt {name}", ADAPT_REFUSED[name][2])
 
 
 def test_rejection_sampling_with_a_map_fails_at_argument_time(argument_time_exits):

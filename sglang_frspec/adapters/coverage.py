@@ -32,8 +32,10 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+import torch
 from sglang.srt.runtime_context import get_parallel, get_serving, get_spec
 
+from sglang_frspec.adapters.adapt import HotSetAdapter
 from sglang_frspec.core.coverage import CommittedTokenCounts, CoverageTotals, PendingSnapshot
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ SHUTDOWN_HOOK = "sglang.srt.managers.scheduler.Scheduler.release_host_resources"
 
 COMMITTED_METRIC = "sglang:frspec_committed_tokens_total"
 IN_MAP_METRIC = "sglang:frspec_committed_in_map_tokens_total"
+SWAPS_METRIC = "sglang:frspec_map_swaps_total"
+ADAPTED_MAP_SUFFIX = ".map.pt"  # beside the counts file: the adapted map, sorted
 COUNTS_CORPUS = "tokens committed by an SGLang server (sglang-frspec SGLANG_FRSPEC_COUNTS)"
 
 
@@ -58,17 +62,27 @@ class HotCoverage:
     counts_path: str | None
     pending: PendingSnapshot | None = None
     exported: CoverageTotals = field(default_factory=lambda: CoverageTotals(0, 0))
-    prometheus: tuple | None = None  # the (committed, in map) counter children, once created
+    prometheus: tuple | None = None  # the (committed, in map, swaps) counter children, once created
     unsnapshotted_steps: int = 0  # verify steps counted since the last snapshot (a host count)
+    adapter: HotSetAdapter | None = None  # SGLANG_FRSPEC_ADAPT=1: the map follows these counts
+    exported_swaps: int = 0
 
 
 def install_after_init_lm_head(result, worker):
-    """AFTER hook: counters for a draft worker that got the plugin's hot head (coverage on)."""
+    """AFTER hook: counters for a draft worker that got the plugin's hot head (coverage on), and
+    the adaptive map on them when asked for."""
     head = getattr(worker, "frspec_head", None)
-    if head is not None and head.options.coverage:
-        worker.frspec_coverage = HotCoverage(
-            CommittedTokenCounts(worker.hot_token_id, head.shard.vocab_size), head.options.counts_path
-        )
+    if head is None or not head.options.coverage:
+        return result
+    counts = CommittedTokenCounts(worker.hot_token_id, head.shard.vocab_size)
+    coverage = HotCoverage(counts, head.options.counts_path)
+    if head.options.adapt:
+        eos = worker.target_worker.model_config.hf_eos_token_id or ()
+        coverage.adapter = HotSetAdapter(head, worker.hot_token_id, counts, head.options.adapt_interval,
+                                         tuple(eos))  # fmt: skip
+        if get_parallel().tp_rank == 0:
+            logger.info("sglang-frspec: %s", coverage.adapter.describe())
+    worker.frspec_coverage = coverage
     return result
 
 
@@ -79,6 +93,8 @@ def count_after_verify(result, worker, batch, *args, **kwargs):
         stride = result.speculative_output_stride or result.speculative_num_draft_tokens
         coverage.counts.add(result.next_token_ids, result.accept_lens, stride)
         coverage.unsnapshotted_steps += 1
+        if coverage.adapter is not None:  # between forward passes, on every rank alike
+            coverage.adapter.after_verify()
     return result
 
 
@@ -179,12 +195,16 @@ def _export(coverage: HotCoverage, totals: CoverageTotals, collector) -> None:
             for name, doc in (
                 (COMMITTED_METRIC, "Tokens committed by speculative verify steps (sglang-frspec)."),
                 (IN_MAP_METRIC, "Committed tokens that the token map holds (sglang-frspec)."),
+                (SWAPS_METRIC, "Ids swapped into the token map by SGLANG_FRSPEC_ADAPT (sglang-frspec)."),
             )
         )
-    committed, in_map = coverage.prometheus
+    committed, in_map, swaps = coverage.prometheus
     committed.inc(totals.committed - coverage.exported.committed)
     in_map.inc(totals.in_map - coverage.exported.in_map)
     coverage.exported = CoverageTotals(totals.committed, totals.in_map)
+    if coverage.adapter is not None:
+        swaps.inc(coverage.adapter.swapped - coverage.exported_swaps)
+        coverage.exported_swaps = coverage.adapter.swapped
 
 
 def write_counts(totals: CoverageTotals, coverage: HotCoverage, scheduler) -> None:
@@ -215,3 +235,6 @@ def write_counts(totals: CoverageTotals, coverage: HotCoverage, scheduler) -> No
         },
     ).save(partial)
     os.replace(partial, coverage.counts_path)  # a reader (or a crash) never sees half a file
+    if coverage.adapter is not None:  # the map served now, for the next start
+        torch.save(coverage.counts.hot_ids.sort().values.cpu(), partial)
+        os.replace(partial, f"{coverage.counts_path}{ADAPTED_MAP_SUFFIX}")

@@ -1,9 +1,10 @@
 """Adaptive hot set: which ids to swap so the map follows the committed tokens (torch only).
 
 Scores are decayed counts of the committed tokens: at each decision every score is halved and
-the tokens committed since the last decision are added (integers, so every rank that computes
-them gets the same). Within each *swap group* (a run of hot positions and the vocab range its
-ids must come from), an id outside the map replaces the weakest id inside when its score beats
+the tokens committed since the last decision are added, in fixed point (integers, so every rank
+that computes them gets the same; 16 fraction bits, so a token committed once stays ahead of the
+never-committed ones for 16 decisions). Within each *swap group* (a run of hot positions and the
+vocab range its ids must come from), an id outside the map replaces the weakest id inside when its score beats
 that id's by a margin; protected ids (EOS) never leave. The number of hot ids, every group's
 share of positions and every tensor's shape stay fixed: a swap rewrites one position in place.
 
@@ -20,7 +21,8 @@ import torch
 
 from sglang_frspec.core.plan import HotShardPlan
 
-MIN_MARGIN = 2  # committed tokens (decayed) an incoming id must lead by, at the least
+SCORE_SHIFT = 16  # fraction bits of a score
+MIN_MARGIN = 1  # committed tokens (decayed) an incoming id must lead by, at the least
 MARGIN_SHIFT = 2  # ... and a quarter of the outgoing id's score: no churn between near-equals
 
 
@@ -58,8 +60,8 @@ def swap_groups(plan: HotShardPlan) -> tuple[SwapGroup, ...]:
 
 
 def decay_scores(scores: torch.Tensor, committed_since: torch.Tensor) -> None:
-    """``scores = scores // 2 + committed_since``, in place (int64 [V])."""
-    scores.bitwise_right_shift_(1).add_(committed_since)
+    """``scores = scores / 2 + committed_since`` in fixed point, in place (int64 [V])."""
+    scores.bitwise_right_shift_(1).add_(committed_since << SCORE_SHIFT)
 
 
 def choose_swaps(
@@ -71,7 +73,7 @@ def choose_swaps(
 ) -> Swaps:
     """The swaps of one decision, at most ``max_swaps`` in all, shared out over the groups.
 
-    ``scores`` int64 [V] decayed counts; ``hot_ids`` int64 [H], the current id at each hot
+    ``scores`` int64 [V] decayed counts (``decay_scores``); ``hot_ids`` int64 [H], the current id at each hot
     position; ``protected`` int64 ids that never leave the map.
     """
     per_group = -(-max_swaps // len(groups))
@@ -88,7 +90,7 @@ def choose_swaps(
             continue
         best_out, best_out_at = outside_scores.topk(n)
         weak_in, weak_in_at = inside_scores.topk(n, largest=False)
-        margin = torch.clamp(weak_in >> MARGIN_SHIFT, min=MIN_MARGIN)
+        margin = torch.clamp(weak_in >> MARGIN_SHIFT, min=MIN_MARGIN << SCORE_SHIFT)
         # best_out descends and weak_in ascends, so the swaps that pay are a prefix.
         pays = (best_out > weak_in + margin) & (weak_in != never_out)
         count = int(pays.cumprod(0).sum())

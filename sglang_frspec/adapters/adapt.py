@@ -1,0 +1,130 @@
+"""Seam 7: the adaptive hot set while serving (``SGLANG_FRSPEC_ADAPT=1``, see ``core.adapt``).
+
+Every ``SGLANG_FRSPEC_ADAPT_INTERVAL`` verify steps (counted by the coverage hook, on every rank
+of the group alike), TP rank 0 decides from the decayed counts of the committed tokens which ids
+swap, and every rank applies the same decision before the next forward pass: ``hot_token_id`` and
+the rows of its hot head are rewritten **in place** (same tensors, same addresses, so SGLang's
+captured draft graphs stay valid), each new row read from the rank's own vocab shard (local
+layout, or one rank: no rows cross ranks). The plan's hot ids are the same ids (rewritten with
+them), so a weight-update refresh rebuilds the current set. Coverage counts the current set too:
+its counter holds ``hot_token_id`` itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from sglang.srt.runtime_context import get_parallel
+
+from sglang_frspec.core import UnsupportedSetupError
+from sglang_frspec.core.adapt import Swaps, apply_swaps_to_local_head, choose_swaps, decay_scores, swap_groups
+from sglang_frspec.core.coverage import CommittedTokenCounts
+from sglang_frspec.core.options import ADAPT_ENV, LAYOUT_ENV
+
+logger = logging.getLogger(__name__)
+
+SWAPS_PER_DECISION_SHARE = 4  # at most H / 4 ids change per decision
+
+
+class HotSetAdapter:
+    """One scheduler rank's side of the adaptation (decides on TP rank 0, applies everywhere)."""
+
+    def __init__(self, head, hot_token_id: torch.Tensor, counts: CommittedTokenCounts, interval: int,
+                 protected: tuple[int, ...]):  # fmt: skip
+        module = head.shard.module
+        weight = module.weight
+        plain_rows = (module.num_embeddings_per_partition, module.embedding_dim)
+        if weight.dim() != 2 or tuple(weight.shape) != plain_rows:
+            raise UnsupportedSetupError(
+                f"{ADAPT_ENV}=1 reads a new hot id's row from the target LM head, which holds "
+                f"{weight.dtype} of shape {tuple(weight.shape)} here, not plain rows (a quantized "
+                f"head). Unset {ADAPT_ENV} for this checkpoint."
+            )
+        try:
+            self.groups = swap_groups(head.plan)
+        except ValueError as e:  # the launcher refuses it first; the drop-in worker gets here
+            raise UnsupportedSetupError(f"{ADAPT_ENV}=1 needs {LAYOUT_ENV}=local at TP > 1 ({e}).") from e
+        self.head = head
+        self.hot_token_id = hot_token_id
+        self.counts = counts
+        self.interval = interval
+        self.max_swaps = max(1, head.plan.num_hot // SWAPS_PER_DECISION_SHARE)
+        self.protected = torch.tensor(sorted(protected), dtype=torch.int64, device=hot_token_id.device)
+        self.steps = 0
+        self.swapped = 0  # ids swapped in since start-up
+        self.decides = get_parallel().tp_rank == 0
+        if self.decides:
+            self.scores = torch.zeros(counts.vocab_size, dtype=torch.int64, device=hot_token_id.device)
+            self.seen = torch.zeros_like(self.scores)  # committed counts at the last decision
+
+    def describe(self) -> str:
+        return (
+            f"adaptive map on: a decision every {self.interval} verify steps, at most {self.max_swaps} "
+            f"swaps each, in place (hot_token_id at {self.hot_token_id.data_ptr():#x}, hot head at "
+            f"{self.head.local_head.data_ptr():#x})"
+        )
+
+    def after_verify(self) -> None:
+        """Called once per verify step on every rank; every interval, decide and apply."""
+        self.steps += 1
+        if self.steps % self.interval:
+            return
+        started = time.perf_counter()
+        decision = self._decide() if self.decides else None
+        group = get_parallel().tp_group
+        if group.world_size > 1:  # rank 0's decision, on the CPU group (every rank is here)
+            decision = group.all_gather_object(decision)[0]
+        if decision is None:
+            return
+        self._apply(decision)
+        if self.decides:
+            self._log(decision, time.perf_counter() - started)
+
+    def _decide(self) -> dict | None:
+        committed = self.counts.counts[0, : self.counts.vocab_size]
+        since = committed - self.seen
+        self.seen.copy_(committed)
+        decay_scores(self.scores, since)
+        swaps = choose_swaps(self.scores, self.hot_token_id, self.groups, self.protected, self.max_swaps)
+        if not len(swaps):
+            return None
+        after = self.hot_token_id.clone()
+        after[swaps.positions] = swaps.ids_in
+        return {
+            "positions": swaps.positions.tolist(),
+            "ids_in": swaps.ids_in.tolist(),
+            "ids_out": swaps.ids_out.tolist(),
+            # Of the tokens committed since the last decision: in the map before, in the new map, all.
+            "coverage": (int(since[self.hot_token_id].sum()), int(since[after].sum()), int(since.sum())),
+        }
+
+    def _apply(self, decision: dict) -> None:
+        device = self.hot_token_id.device
+        keys = ("positions", "ids_in", "ids_out")
+        swaps = Swaps(*(torch.tensor(decision[key], dtype=torch.int64) for key in keys))
+        plan_ids = self.head.plan.hot_ids
+        self.hot_token_id.index_copy_(0, swaps.positions.to(device), swaps.ids_in.to(device))
+        if plan_ids.data_ptr() != self.hot_token_id.data_ptr():  # on the CPU they are one tensor
+            plan_ids.index_copy_(0, swaps.positions, swaps.ids_in)
+        head, shard = self.head, self.head.shard
+        apply_swaps_to_local_head(head.local_head, shard.module.weight, head.plan, shard.rank, swaps)
+        self.swapped += len(swaps)
+
+    def _log(self, decision: dict, seconds: float) -> None:
+        before, after, total = decision["coverage"]
+        share = (lambda n: f"{n / total:.2%}") if total else (lambda n: "n/a")
+        logger.info(
+            "sglang-frspec: map adapted after %d verify steps: %d id(s) in %s, out %s; the last "
+            "interval's committed tokens in the map %s -> %s; decision %.1f ms (in place at %#x, %#x)",
+            self.steps,
+            len(decision["ids_in"]),
+            decision["ids_in"][:8],
+            decision["ids_out"][:8],
+            share(before),
+            share(after),
+            seconds * 1e3,
+            self.hot_token_id.data_ptr(),
+            self.head.local_head.data_ptr(),
+        )
