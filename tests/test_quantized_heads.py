@@ -280,3 +280,27 @@ def test_startup_log_compares_the_hot_head_with_the_quantized_shard(caplog, num_
         f"the dequantized hot head ({hot_mib:.2f} MiB per rank) is larger than the quantized vocab shard"
     )
     assert (warning in caplog.text) == warns
+
+
+@pytest.mark.usefixtures("single_rank")
+def test_draft_head_whose_quant_method_sglang_would_apply_to_the_hot_head_is_refused():
+    """A draft loaded with the target's quantization keeps its head's method. SGLang's logits path
+    skips a ModelOpt FP8 method over a bf16 weight, but would apply e.g. MXFP8's Fp8LinearMethod."""
+    from sglang_frspec.adapters.head import check_draft_uses_hot_head
+    from sglang_frspec.core import UnsupportedSetupError
+
+    hot_head = torch.randn(40, HIDDEN).bfloat16()
+
+    def draft_with(head) -> torch.nn.Module:
+        draft = torch.nn.Module()
+        draft.lm_head = head
+        del head.weight  # as set_embed_and_head does before it assigns the shared head
+        head.weight = hot_head
+        return draft
+
+    check_draft_uses_hot_head(draft_with(_mixed_precision_head("FP8", 0)), hot_head)
+    with pytest.raises(UnsupportedSetupError) as info:
+        check_draft_uses_hot_head(draft_with(_mixed_precision_head("MXFP8", 32)), hot_head)
+    message = str(info.value)
+    assert "computes its logits through a quantized LM head method (lm_head: Fp8LinearMethod)" in message
+    assert "--speculative-draft-model-quantization unquant" in message

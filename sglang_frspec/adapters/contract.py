@@ -508,6 +508,10 @@ CONTRACT: tuple[Entry, ...] = (
     Signature("sglang.srt.speculative.spec_utils:load_token_map", "(token_map_path)"),
     # head.py: the target's vocab-parallel LM head
     Attribute(f"{VOCAB_MODULE}:ParallelLMHead"),
+    # head.py: SGLang's own test of whether a draft head's quant method runs over its weight
+    Signature(
+        "sglang.srt.layers.logits_processor:should_apply_lm_head_quant_method", "(lm_head, quant_method)"
+    ),
     # quantized_head.py: the ModelOpt FP8 head whose stored layout it reads back
     Attribute("sglang.srt.layers.quantization.modelopt_quant:ModelOptFp8LinearMethod"),
     Attribute("sglang.srt.layers.quantization.modelopt_quant:ModelOptFp8LinearMethod.use_marlin"),

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from sglang.srt.layers.amx_utils import PackWeightMethod
+from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglang.srt.runtime_context import get_parallel
 
@@ -190,7 +191,8 @@ def check_draft_uses_hot_head(draft_model: torch.nn.Module, local_head: torch.Te
 
     Some NEXTN/MTP drafts ignore ``set_embed_and_head`` (or keep a head they loaded), so their
     forward would pass a full-vocab head to the hot-logits processor: wrong columns, silently.
-    Every ``ParallelLMHead`` of the draft must hold the hot head after ``set_embed_and_head``.
+    Every ``ParallelLMHead`` of the draft must hold the hot head after ``set_embed_and_head``,
+    and compute with it as a plain head.
     """
     heads = [(name, m) for name, m in draft_model.named_modules() if isinstance(m, ParallelLMHead)]
     own = [name or "(model)" for name, m in heads if getattr(m, "weight", None) is not local_head]
@@ -201,4 +203,18 @@ def check_draft_uses_hot_head(draft_model: torch.nn.Module, local_head: torch.Te
             "set_embed_and_head(), so it would not compute logits with the hot head and a token "
             "map would read the wrong columns. Serve this draft without "
             "--speculative-token-map (its set_embed_and_head must take the target's head)."
+        )
+    # A draft loaded with the target's quantization keeps its head's quant method; SGLang's logits
+    # path would apply it to the plain hot head unless its own check skips it.
+    quantized = [
+        f"{name or '(model)'}: {type(m.quant_method).__name__}"
+        for name, m in heads
+        if should_apply_lm_head_quant_method(m, m.quant_method)
+    ]
+    if quantized:
+        raise UnsupportedSetupError(
+            f"the draft model {type(draft_model).__name__} computes its logits through a quantized "
+            f"LM head method ({', '.join(quantized)}), which SGLang would apply to the plain hot head. "
+            "Load the draft unquantized (--speculative-draft-model-quantization unquant), or drop "
+            "--speculative-token-map."
         )
