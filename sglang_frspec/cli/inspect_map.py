@@ -9,11 +9,10 @@ import os
 import torch
 
 from sglang_frspec.adapters.token_map import load_token_map_ids
+from sglang_frspec.cli.common import add_padding_option, add_vocab_options, vocab_size_from
 from sglang_frspec.cli.plan import format_table
 from sglang_frspec.core import LAYOUTS, UnsupportedSetupError, plan_hot_shards
-from sglang_frspec.core.plan import DEFAULT_VOCAB_PADDING_SIZE
 from sglang_frspec.maps import TokenCounts
-from sglang_frspec.maps.tokenizer import vocab_size_of
 
 
 def add_parser(subparsers) -> None:
@@ -29,16 +28,9 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "token_map", metavar="MAP", help="token-map file (.pt tensor or list), or hub owner/repo/file"
     )
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--model-path", help="read the vocab size from this model's config.json")
-    size.add_argument("--vocab-size", type=int, help="target vocab size (config.vocab_size)")
+    add_vocab_options(p, required=False)
     p.add_argument("--tp", type=int, help="show the plan over this many ranks (needs the vocab size)")
-    p.add_argument(
-        "--padding-size",
-        type=int,
-        default=DEFAULT_VOCAB_PADDING_SIZE,
-        help="vocab padding unit of the target head (SGLang default: 64)",
-    )
+    add_padding_option(p)
     p.add_argument("--counts", metavar="FILE", help="counts file from build-map (default: MAP.counts.pt)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=run)
@@ -64,7 +56,7 @@ def inspect_map(args: argparse.Namespace) -> dict:
         "min_id": int(ids.min()),
         "max_id": int(ids.max()),
     }
-    vocab = args.vocab_size or (vocab_size_of(args.model_path) if args.model_path else None)
+    vocab = vocab_size_from(args)
     if args.tp and vocab is None:
         raise UnsupportedSetupError("--tp needs the target's vocab size: add --model-path or --vocab-size.")
     if vocab is not None:

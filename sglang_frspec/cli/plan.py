@@ -6,12 +6,11 @@ import argparse
 import json
 import sys
 
+from sglang_frspec.cli.common import add_padding_option, add_vocab_options, vocab_size_from
 from sglang_frspec.core import LAYOUTS, HotShardPlan, plan_hot_shards
 from sglang_frspec.core.dequant import HEAD_FORMAT_BITS, head_bytes
 from sglang_frspec.core.exchange_rule import auto_exchange
-from sglang_frspec.core.plan import DEFAULT_VOCAB_PADDING_SIZE
 from sglang_frspec.core.token_map import read_token_map
-from sglang_frspec.maps.tokenizer import vocab_size_of
 
 
 def add_parser(subparsers) -> None:
@@ -23,17 +22,10 @@ def add_parser(subparsers) -> None:
         "width, max/mean imbalance and the bytes gathered per logits row by each exchange.",
     )
     p.add_argument("--token-map", required=True, help="token-map file (.pt tensor or list)")
-    size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--vocab-size", type=int, help="target vocab size (config.vocab_size)")
-    size.add_argument("--model-path", help="read the vocab size from this model's config.json")
+    add_vocab_options(p, required=True)
     p.add_argument("--tp", type=int, required=True, help="size of the group sharding the head")
     p.add_argument("--layout", choices=[*LAYOUTS, "all"], default="all")
-    p.add_argument(
-        "--padding-size",
-        type=int,
-        default=DEFAULT_VOCAB_PADDING_SIZE,
-        help="vocab padding unit of the target head (SGLang default: 64)",
-    )
+    add_padding_option(p)
     p.add_argument(
         "--dtype-bytes", type=int, default=2, help="bytes per logit on the wire (2 for bf16/fp16, 4 for fp32)"
     )
@@ -62,7 +54,7 @@ def add_parser(subparsers) -> None:
 
 
 def make_plans(args: argparse.Namespace) -> list[HotShardPlan]:
-    vocab = args.vocab_size or vocab_size_of(args.model_path)
+    vocab = vocab_size_from(args)
     ids = read_token_map(args.token_map)
     layouts = LAYOUTS if args.layout == "all" else (args.layout,)
     return [

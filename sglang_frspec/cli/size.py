@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from sglang_frspec.cli.common import add_vocab_options, vocab_size_from
 from sglang_frspec.cli.inspect_map import coverage_sizes
 from sglang_frspec.core import LAYOUTS, canonical_hot_ids, read_token_map
 from sglang_frspec.core.plan import DEFAULT_VOCAB_PADDING_SIZE
@@ -19,7 +20,6 @@ from sglang_frspec.maps.sizing import (
     estimate_sizes,
     recommend,
 )
-from sglang_frspec.maps.tokenizer import vocab_size_of
 
 
 def add_parser(subparsers) -> None:
@@ -36,9 +36,7 @@ def add_parser(subparsers) -> None:
         "modelled speed-up is recommended.",
     )
     p.add_argument("--counts", required=True, metavar="FILE", help="counts file (build-map or serving)")
-    vocab = p.add_mutually_exclusive_group(required=True)
-    vocab.add_argument("--vocab-size", type=int, help="target vocab size (config.vocab_size)")
-    vocab.add_argument("--model-path", help="read the vocab size from this model's config.json")
+    add_vocab_options(p, required=True)
     p.add_argument("--hidden", type=int, required=True, help="hidden size of the draft head")
     p.add_argument("--tp", type=int, required=True, help="size of the group sharding the target head")
     p.add_argument("--layout", choices=LAYOUTS, default="balanced")
@@ -150,7 +148,7 @@ def acceptance_source(counts: TokenCounts, kept: bool) -> str:
 
 def run(args: argparse.Namespace) -> int:
     counts = TokenCounts.load(args.counts)
-    vocab_size = args.vocab_size if args.vocab_size is not None else vocab_size_of(args.model_path)
+    vocab_size = vocab_size_from(args)
     cost_model = calibrated_cost_model(args.calibration, args.tp) if args.calibration else HeadCostModel()
     served = counts.speculative or {}
     kept = has_accepted_drafts(counts)

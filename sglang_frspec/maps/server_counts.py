@@ -281,9 +281,6 @@ def count_server_tokens(
     ``tokenizer_path`` and ``eos_ids`` are only recorded. Prints ``resuming: ...`` and the
     progress bar on stderr.
     """
-    from tqdm import tqdm
-
-    counts_path = os.fspath(counts_path)
     prompts = read_prompts(prompts_path, text_field)
     run = _Run(
         url=model.url,
@@ -294,107 +291,133 @@ def count_server_tokens(
         count_prompts=count_prompts,
         vocab_size=model.vocab_size,
     )
-    resuming = os.path.exists(counts_path)
-    counts, done = _resumed_state(counts_path, run, prompts)
-    if resuming:
-        print(f"resuming: {int(done.sum())} of {len(prompts)} prompts already counted", file=sys.stderr)
     recorded_tokenizer = (
         os.path.abspath(tokenizer_path)
         if tokenizer_path and os.path.exists(tokenizer_path)
         else tokenizer_path
     )
+    counting = _ServerCount(
+        run, prompts, os.fspath(counts_path), recorded_tokenizer, tuple(sorted(set(eos_ids)))
+    )
+    return counting.run(concurrency, save_every, progress)
 
-    def save() -> TokenCounts:
+
+class _ServerCount:
+    """One (possibly resumed) count: the per-id counts, which prompts are done, and their file."""
+
+    def __init__(self, run: _Run, prompts: list[str], counts_path: str, tokenizer: str | None,
+                 eos_ids: tuple[int, ...]):  # fmt: skip
+        self.run_settings = run
+        self.prompts = prompts
+        self.counts_path = counts_path
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        resuming = os.path.exists(counts_path)
+        self.counts, self.done = _resumed_state(counts_path, run, prompts)
+        if resuming:
+            print(
+                f"resuming: {int(self.done.sum())} of {len(prompts)} prompts already counted", file=sys.stderr
+            )
+
+    def save(self) -> TokenCounts:
+        """Write the counts so far (beside, then renamed over: never half a file)."""
+        run = self.run_settings
         snapshot = TokenCounts(
-            counts=torch.from_numpy(counts.copy()),
-            num_documents=int(done.sum()),
-            tokenizer=recorded_tokenizer,
-            eos_token_ids=tuple(sorted(set(eos_ids))),
+            counts=torch.from_numpy(self.counts.copy()),
+            num_documents=int(self.done.sum()),
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_ids,
             corpus=(run.prompts,),
-            text_field=text_field,
+            text_field=run.text_field,
             server=dataclasses.asdict(run)
             | {
-                "num_prompts": len(prompts),
-                "prompts_sha256": prompts_digest(prompts),
-                "done": torch.from_numpy(done.copy()),
+                "num_prompts": len(self.prompts),
+                "prompts_sha256": prompts_digest(self.prompts),
+                "done": torch.from_numpy(self.done.copy()),
             },
         )
-        partial = f"{counts_path}.partial"
+        partial = f"{self.counts_path}.partial"
         snapshot.save(partial)
-        os.replace(partial, counts_path)  # a reader (or a crash) never sees half a file
+        os.replace(partial, self.counts_path)
         return snapshot
 
-    pending: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for index in np.flatnonzero(~done).tolist():
-        pending.put(index)
-    answers: queue.SimpleQueue = queue.SimpleQueue()
-    stop = threading.Event()
-
-    def send_prompts() -> None:
-        while not stop.is_set():
-            try:
-                index = pending.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                answers.put((index, _generate(run.url, prompts[index], run.sampling_params, count_prompts)))
-            except MapBuildError as e:
-                answers.put((index, e))
-
-    num_pending = int((~done).sum())
-    # Daemon threads: Ctrl-C ends the process without waiting for the requests still in flight.
-    for _ in range(min(concurrency, num_pending)):
-        threading.Thread(target=send_prompts, daemon=True).start()
-    bar = tqdm(
-        total=len(prompts),
-        initial=len(prompts) - num_pending,
-        unit="prompt",
-        desc="generating",
-        disable=not progress or not num_pending,
-    )
-    answered = 0
-    with bar, _sigint_as_flag() as interrupted:
-        try:
-            while answered < num_pending and not interrupted.is_set():
-                try:
-                    index, ids = answers.get(timeout=_SIGINT_POLL_S)
-                except queue.Empty:
-                    continue
-                if isinstance(ids, MapBuildError):
-                    raise MapBuildError(f"prompt {index + 1} of {run.prompts!r}: {ids}")
-                outside = sorted({i for i in ids if not 0 <= i < run.vocab_size})
-                if outside:
-                    raise MapBuildError(
-                        f"server {run.url}: generated token ids {outside[:10]} for prompt {index + 1}, "
-                        f"outside the id space [0, {run.vocab_size}). Pass the served model's "
-                        "--vocab-size (vocab_size in its config.json)."
-                    )
-                np.add.at(counts, ids, 1)
-                done[index] = True
-                answered += 1
-                bar.update(1)
-                bar.set_postfix(tokens=int(counts.sum()), refresh=False)
-                if answered % save_every == 0:
-                    save()
-        except MapBuildError as e:
-            stop.set()
-            if not done.any():
-                raise  # nothing to resume: no counts file pinned to what may be a wrong setting
-            save()
+    def add(self, index: int, ids: list[int]) -> None:
+        """Count prompt ``index``'s generated ids (all must lie in the served model's id space)."""
+        run = self.run_settings
+        outside = sorted({i for i in ids if not 0 <= i < run.vocab_size})
+        if outside:
             raise MapBuildError(
-                f"{e} ({int(done.sum())} of {len(prompts)} prompts are counted in {counts_path}; the "
-                "same command resumes from there.)"
-            ) from e
-    stop.set()
-    snapshot = save()
-    if answered < num_pending:
-        print(
-            f"interrupted: {snapshot.num_documents} of {len(prompts)} prompts counted, saved to "
-            f"{counts_path}; the same command resumes from there.",
-            file=sys.stderr,
-        )
-        raise KeyboardInterrupt
-    return snapshot
+                f"server {run.url}: generated token ids {outside[:10]} for prompt {index + 1}, "
+                f"outside the id space [0, {run.vocab_size}). Pass the served model's "
+                "--vocab-size (vocab_size in its config.json)."
+            )
+        np.add.at(self.counts, ids, 1)
+        self.done[index] = True
+
+    def run(self, concurrency: int, save_every: int, progress: bool) -> TokenCounts:
+        """Send the prompts not yet counted, ``concurrency`` at a time, and count the answers."""
+        from tqdm import tqdm
+
+        run, num_prompts = self.run_settings, len(self.prompts)
+        pending: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for index in np.flatnonzero(~self.done).tolist():
+            pending.put(index)
+        answers: queue.SimpleQueue = queue.SimpleQueue()
+        stop = threading.Event()
+
+        def send_prompts() -> None:
+            while not stop.is_set():
+                try:
+                    index = pending.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    ids = _generate(run.url, self.prompts[index], run.sampling_params, run.count_prompts)
+                    answers.put((index, ids))
+                except MapBuildError as e:
+                    answers.put((index, e))
+
+        num_pending = int((~self.done).sum())
+        # Daemon threads: Ctrl-C ends the process without waiting for the requests still in flight.
+        for _ in range(min(concurrency, num_pending)):
+            threading.Thread(target=send_prompts, daemon=True).start()
+        bar = tqdm(total=num_prompts, initial=num_prompts - num_pending, unit="prompt", desc="generating",
+                   disable=not progress or not num_pending)  # fmt: skip
+        answered = 0
+        with bar, _sigint_as_flag() as interrupted:
+            try:
+                while answered < num_pending and not interrupted.is_set():
+                    try:
+                        index, ids = answers.get(timeout=_SIGINT_POLL_S)
+                    except queue.Empty:
+                        continue
+                    if isinstance(ids, MapBuildError):
+                        raise MapBuildError(f"prompt {index + 1} of {run.prompts!r}: {ids}")
+                    self.add(index, ids)
+                    answered += 1
+                    bar.update(1)
+                    bar.set_postfix(tokens=int(self.counts.sum()), refresh=False)
+                    if answered % save_every == 0:
+                        self.save()
+            except MapBuildError as e:
+                stop.set()
+                if not self.done.any():
+                    raise  # nothing to resume: no counts file pinned to what may be a wrong setting
+                self.save()
+                raise MapBuildError(
+                    f"{e} ({int(self.done.sum())} of {num_prompts} prompts are counted in "
+                    f"{self.counts_path}; the same command resumes from there.)"
+                ) from e
+        stop.set()
+        snapshot = self.save()
+        if answered < num_pending:
+            print(
+                f"interrupted: {snapshot.num_documents} of {num_prompts} prompts counted, saved to "
+                f"{self.counts_path}; the same command resumes from there.",
+                file=sys.stderr,
+            )
+            raise KeyboardInterrupt
+        return snapshot
 
 
 @contextlib.contextmanager
