@@ -1,7 +1,8 @@
-"""Target LM heads of quantized checkpoints: a head the checkpoint leaves unquantized is accepted
-whatever quant method SGLang wraps it in (judged by what it holds), on real SGLang
-ParallelLMHeads built with each quantization config and a real gloo TP=2 group, and served by real
-TP=1 and TP=2 servers."""
+"""Target LM heads of quantized checkpoints, on real SGLang ParallelLMHeads built with each
+quantization config (gloo TP groups for the multi-rank cases) and real TP=1/TP=2 servers: a head
+the checkpoint leaves unquantized is accepted whatever quant method SGLang wraps it in (judged by
+what it holds); a quantized ModelOpt FP8 head has its hot rows dequantized; every other quantized
+head, and a draft head SGLang would run a quant method over, is refused naming its format."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from tests.test_servers_plugin import num_hot
 
 VOCAB, HIDDEN, ROWS = 5003, 64, 5
 NEW, STEPS = 24, 2  # new tokens per request; EAGLE steps (eagle_args' default)
-LLAMA_LINEAR = ["model.layers.*"]  # ModelOpt exclude patterns for every decoder linear
 
 # (name, SGLang quantization method, the checkpoint's config, the quant method SGLang 0.5.23 gives
 # the ParallelLMHead on CPU, read from its get_quant_method).
