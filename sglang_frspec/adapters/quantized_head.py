@@ -70,7 +70,7 @@ def _unreadable_reason(module: VocabParallelEmbedding) -> str | None:
 def read_quantized_rows(
     module: VocabParallelEmbedding, rows: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Rows ``rows`` (local indices) of this rank's quantized head shard, dequantized into ``dtype``."""
+    """Rows ``rows`` (local indices) of a head check_quantized_head_readable accepted, in ``dtype``."""
     # ModelOptFp8LinearMethod stores the weight transposed ([hidden, rows]) after loading, with
     # one scale (or one per row where SGLang uses CUTLASS).
     rows = rows.to(module.weight.device)
