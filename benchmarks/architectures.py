@@ -4,8 +4,9 @@ Every target is a Hugging Face model built from a tiny config (``from_config``, 
 saved as float32 safetensors with a whitespace tokenizer), so its checkpoint uses exactly the
 tensor names that architecture's loader expects and an independent HF forward can judge ties. The
 draft is a Llama EAGLE draft (the architecture-independent one), SGLang's own EAGLE class for the
-family where it ships one (Qwen2), or a NextN draft cut from the target's checkpoint (DeepSeek-V3).
-No model hub is used.
+family where it ships one (Qwen2), or an MTP/NextN layer stored in the target's own checkpoint and
+served with the target's path as the draft path (MiMo, DeepSeek-V3), as those models ship. No
+model hub is used.
 """
 
 from __future__ import annotations
@@ -185,7 +186,18 @@ ARCHITECTURES = {
                 "qk_rope_head_dim": 16,
                 "v_head_dim": 32,
                 "num_key_value_heads": 4,
-                "rope_scaling": None,
+                # DeepSeek-V3's own YaRN (SGLang's CPU rotary embedding for MLA is deepseek_yarn only).
+                "max_position_embeddings": 163840,
+                "rope_scaling": {
+                    "type": "yarn",
+                    "rope_type": "yarn",
+                    "factor": 40.0,
+                    "original_max_position_embeddings": 4096,
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                },
                 "num_nextn_predict_layers": 1,
             },
             "own ParallelLMHead; the NextN draft's shared_head.head takes the target's",

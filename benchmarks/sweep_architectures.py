@@ -38,10 +38,13 @@ def serve(fixture, log_path: Path, speculative: list[str] | None) -> SGLangServe
     return SGLangServer(args, cpu_env(TP), log_path, forked=True)
 
 
+# SGLang's warm-up thread logs these when it polls a server that is not listening yet: not the failure.
+_NOISE = ("Warning", "Connection refused", "MaxRetryError", "NewConnectionError")
+
+
 def first_error(log: str) -> str:
     """The first exception line of a server log (the one that ended it), else its last line."""
-    found = _ERROR_LINE.findall(log)
-    lines = [line for line in found if "Warning" not in line]
+    lines = [line for line in _ERROR_LINE.findall(log) if not any(n in line for n in _NOISE)]
     return (lines[0] if lines else log.strip().splitlines()[-1]).strip()[:400]
 
 
@@ -53,7 +56,7 @@ def run_server(fixture, log_path: Path, speculative: list[str] | None) -> dict:
         with server:
             outs = server.generate(PROMPTS, NEW_TOKENS)
             log = server.log()
-    except ServerError:
+    except (ServerError, OSError):  # OSError: the server died mid-request (connection reset)
         return {"error": first_error(log_path.read_text(errors="replace")), "log": str(log_path),
                 "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
     return {
@@ -127,6 +130,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
+def write(out: Path, rows: list[dict]) -> None:
+    """OUT.json (settings and rows) and OUT.txt (the table)."""
+    meta = {"tp": TP, "new_tokens": NEW_TOKENS, "prompts": PROMPTS}
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.with_suffix(".txt").write_text(table(rows) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=sorted(ARCHITECTURES), help="architectures to serve")
@@ -140,23 +150,16 @@ def main(argv: list[str] | None = None) -> int:
         print(table(json.loads(args.report.read_text())["rows"]))
         return 0
     log_dir = Path(tempfile.mkdtemp(prefix="arch-sweep-"))
-    served = {}
+    rows = {}
+    if args.out and args.out.with_suffix(".json").exists():
+        rows = {row["name"]: row for row in json.loads(args.out.with_suffix(".json").read_text())["rows"]}
     for name in args.only or list(ARCHITECTURES):
         print(f"== {name}", flush=True)
-        served[name] = sweep_one(name, log_dir) | {"logs": str(log_dir), "cpu_count": os.cpu_count()}
-        print(f"   {served[name]['status']}: {served[name].get('error', '')}", flush=True)
-    previous = {}
-    if args.out and args.out.with_suffix(".json").exists():
-        previous = {row["name"]: row for row in json.loads(args.out.with_suffix(".json").read_text())["rows"]}
-    rows = [
-        served.get(name) or previous[name] for name in ARCHITECTURES if name in served or name in previous
-    ]
-    text = table(rows)
-    print(text)
-    if args.out:
-        meta = {"tp": TP, "new_tokens": NEW_TOKENS, "prompts": PROMPTS}
-        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        args.out.with_suffix(".txt").write_text(text + "\n")
+        rows[name] = sweep_one(name, log_dir) | {"logs": str(log_dir), "cpu_count": os.cpu_count()}
+        print(f"   {rows[name]['status']}: {rows[name].get('error', '')}", flush=True)
+        if args.out:  # after every architecture, so an interrupted sweep keeps what it served
+            write(args.out, [rows[n] for n in ARCHITECTURES if n in rows])
+    print(table([rows[n] for n in ARCHITECTURES if n in rows]))
     return 0
 
 

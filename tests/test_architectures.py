@@ -1,0 +1,45 @@
+"""Real TP=2 servers of target families that hold their LM head differently, each with a token map:
+EAGLE (or NEXTN) + map + plugin decodes as greedy decoding of the target (tie-aware) and the
+plugin is active.
+
+The tiny random-weight checkpoints come from ``benchmarks/architectures.py``, the builders of the
+whole sweep (``benchmarks/sweep_architectures.py``, results in docs/results/architecture-sweep-cpu.txt).
+The greedy reference is an HF transformers forward of the target, not a second SGLang server: half
+the servers, and an independent implementation (the sweep shows SGLang's plain greedy equals it on
+every family here).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_frspec.testing.greedy import compare_greedy, reference_greedy
+from tests.test_servers_plugin import assert_plugin_active, num_hot
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
+
+pytestmark = pytest.mark.server
+NEW = 16
+PROMPTS = [[5, 77, 1203], [4000, 17], [9, 9, 9, 9, 2500]]
+FAMILIES = [
+    "llama_tied",  # the head is the target's embed_tokens: a VocabParallelEmbedding, not a ParallelLMHead
+    "llama_softcap",  # final-logit softcapping, applied by the plugin's draft processor too
+    "qwen2",  # SGLang's Qwen2 EAGLE draft class; Qwen2's head always shards over the tp group
+    "mimo_mtp",  # an MTP draft loaded from the target's own checkpoint, NEXTN
+]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_at_tp2_with_a_map_decodes_as_greedy(name, start_server):
+    fixture = architecture_fixture(name)
+    algorithm = ("--speculative-algorithm", ARCHITECTURES[name].algorithm)
+    server = start_server(fixture, 2, fixture.token_map("hot"), extra=algorithm)
+    assert_plugin_active(server, num_hot(fixture.token_map("hot")), 2)
+    outs = server.generate(PROMPTS, NEW)
+    expected = [reference_greedy(fixture.target, prompt, NEW) for prompt in PROMPTS]
+    compare_greedy(fixture.target, PROMPTS, [o["output_ids"] for o in outs], expected)
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)  # the draft really ran
