@@ -447,6 +447,7 @@ CONTRACT: tuple[Entry, ...] = (
     Attribute(f"{WORKER}.topk"),
     Signature("sglang.srt.speculative.spec_info:SpeculativeAlgorithm.is_eagle3", "(self)"),
     Attribute("sglang.srt.managers.tp_worker:TpModelWorker.model_runner"),
+    Attribute("sglang.srt.managers.tp_worker:TpModelWorker.model_config"),  # adapt.py: the EOS ids
     Attribute("sglang.srt.model_executor.model_runner:ModelRunner.model"),
     Attribute("sglang.srt.model_executor.model_runner:ModelRunner.dtype"),
     # the EAGLE draft model (Llama family): its head swap and the attributes the plugin replaces
