@@ -104,10 +104,11 @@ def import_cuda_path() -> None:
         raise SystemExit(f"{PLUGINS}: the JIT tree functions were not replaced: {now}")
     if spec_tree.sgl_build_tree_kernel_efficient is not tree.build_tree_kernel_efficient:
         raise SystemExit("spec_tree still calls the JIT tree build")
-    from sglang_frspec.adapters.args import LM_HEAD_HOOK
+    from sglang_frspec.adapters.args import MAP_HOOKS
 
-    if not hasattr(pkgutil.resolve_name(LM_HEAD_HOOK), "__wrapped__"):
-        raise SystemExit(f"the frspec plugin did not hook {LM_HEAD_HOOK}: see its log line above")
+    for target in MAP_HOOKS:
+        if not hasattr(pkgutil.resolve_name(target), "__wrapped__"):
+            raise SystemExit(f"the frspec plugin did not hook {target}: see its log line above")
     import sglang
     import torch
     import triton

@@ -18,6 +18,7 @@ import tomllib
 from packaging.requirements import Requirement
 
 from sglang_frspec.adapters import contract
+from sglang_frspec.adapters.hooks import HOOKS, hook_target
 from sglang_frspec.testing.cpu import cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -202,12 +203,14 @@ def test_a_changed_sglang_gets_no_hooks_and_a_token_map_at_tp2_is_refused(perm, 
     assert log[0].endswith(result["tp2"].split(": ", 1)[1])  # the logged line is the error
 
 
-def test_every_hook_register_installs_is_in_the_contract(perm):
-    """A new hook in plugin.py needs its contract line (else a changed target fails late)."""
+def test_register_installs_the_hook_table_and_the_contract_checks_every_target(perm):
+    """register() installs exactly the targets of adapters/hooks.py, and each is a contract
+    Signature (a changed target then installs no hook instead of failing late)."""
     result, log = _run_live("none", perm)
     assert log == []
     assert result["tp2"] == "resolved" and result["hooks"], result
-    hooked = {contract.hook_target(e.target) for e in contract.CONTRACT if isinstance(e, contract.Signature)}
+    assert set(result["hooks"]) == {hook_target(h.target) for h in HOOKS}
+    hooked = {hook_target(e.target) for e in contract.CONTRACT if isinstance(e, contract.Signature)}
     assert set(result["hooks"]) <= hooked, set(result["hooks"]) - hooked
     assert set(result["patched"]) == set(result["hooks"])
     steps = {e.value for e in contract.CONTRACT if isinstance(e, contract.Contains)}

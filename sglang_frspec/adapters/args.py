@@ -8,15 +8,18 @@ from collections.abc import Callable
 import torch
 from sglang.srt.arg_groups.model_override_base import resolving_view
 
+from sglang_frspec.adapters.hooks import ON_WORKER, hooked_targets
 from sglang_frspec.adapters.token_map import load_token_map_ids
 from sglang_frspec.core import UnsupportedSetupError, canonical_hot_ids, check_hot_ids_cover_topk
 from sglang_frspec.core.options import ADAPT_ENV, LAYOUT_ENV, FrSpecOptions
 
 logger = logging.getLogger(__name__)
 
-WORKER = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
-TOKEN_MAP_HOOK = f"{WORKER}.init_token_map"
-LM_HEAD_HOOK = f"{WORKER}.init_lm_head"
+# The hooks without which stock SGLang crashes on a token map at TP > 1.
+MAP_HOOKS = (
+    *hooked_targets(f"{ON_WORKER}around_init_token_map"),
+    *hooked_targets(f"{ON_WORKER}around_init_lm_head"),
+)
 
 
 # Resolved algorithms whose workers do not read --speculative-token-map (stock ignores it).
@@ -45,7 +48,7 @@ def _target_vocab_size(cfg) -> int | None:
 def _check_hooks_active() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    missing = [t for t in (TOKEN_MAP_HOOK, LM_HEAD_HOOK) if t not in HookRegistry._patched]
+    missing = [t for t in MAP_HOOKS if t not in HookRegistry._patched]
     if missing:
         raise UnsupportedSetupError(
             "sglang-frspec is loaded but its hook(s) on " + ", ".join(missing) + " are not "
@@ -121,7 +124,8 @@ def check_speculative_args(server_args, previous: Callable) -> None:
     if options.adapt:
         _check_adaptation(cfg, options)
     ids = load_token_map_ids(token_map)
-    check_hot_ids_cover_topk(int(torch.unique(ids).numel()), cfg.speculative_eagle_topk, source=token_map)
+    if cfg.speculative_eagle_topk is not None:  # resolved by SGLang (the worker checks it again)
+        check_hot_ids_cover_topk(int(torch.unique(ids).numel()), cfg.speculative_eagle_topk, source=token_map)
     vocab_size = _target_vocab_size(cfg)
     if vocab_size is not None:
         canonical_hot_ids(ids, vocab_size, source=token_map)

@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from sglang_frspec.adapters.hooks import EAGLE_V2, HOOKS, REPORTER, SCHEDULER, WEIGHT_UPDATER, WORKER
+
 logger = logging.getLogger(__name__)
 
-WORKER = "sglang.srt.speculative.eagle_worker_v2:EagleDraftWorker"
-WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater:SchedulerWeightUpdaterManager"
 LOGITS = "sglang.srt.layers.logits_processor:LogitsProcessor"
 VOCAB_MODULE = "sglang.srt.layers.vocab_parallel_embedding"
 VOCAB = f"{VOCAB_MODULE}:VocabParallelEmbedding"
-EAGLE_V2 = "sglang.srt.speculative.eagle_worker_v2:EAGLEWorkerV2"
 BATCH_RESULT = "sglang.srt.managers.utils:GenerationBatchResult"
 COMMITTED_FIELDS = (
     "next_token_ids",
@@ -40,7 +39,6 @@ COMMITTED_FIELDS = (
     "speculative_output_stride",
     "speculative_num_draft_tokens",
 )
-REPORTER = "sglang.srt.managers.scheduler_components.metrics_reporter:SchedulerMetricsReporter"
 REPORTER_FIELDS = (
     "scheduler",
     "forward_ct_decode",
@@ -49,17 +47,11 @@ REPORTER_FIELDS = (
     "current_scheduler_metrics_enabled",
     "metrics_collector",
 )
-SCHEDULER = "sglang.srt.managers.scheduler:Scheduler"
 METRICS = "sglang.srt.observability.metrics_collector"
 
 
 class Missing(Exception):
     """A contract target that the SGLang being checked does not define."""
-
-
-def hook_target(target: str) -> str:
-    """The dotted path ``HookRegistry.register`` takes for a contract target."""
-    return target.replace(":", ".")
 
 
 # --- the two views of an SGLang: the running one, and release source read with ast ----------
@@ -428,8 +420,9 @@ CONTRACT: tuple[Entry, ...] = (
         "classmethod (cls, target, hook, hook_type=, *, source=)",
     ),
     Attribute("sglang.srt.plugins.hook_registry:HookRegistry._patched"),
-    Attribute("sglang.srt.plugins.hook_registry:HookType.AROUND"),
-    Attribute("sglang.srt.plugins.hook_registry:HookType.AFTER"),
+    *(Attribute(f"sglang.srt.plugins.hook_registry:HookType.{k}") for k in sorted({h.kind for h in HOOKS})),
+    # hooks.py: every hooked target, with the parameters its handler relies on
+    *(Signature(target, params) for target, params in dict.fromkeys((h.target, h.params) for h in HOOKS)),
     # args.py: server arguments read through resolving_view
     Attribute("sglang.srt.arg_groups.fields.spec:Spec.enable_multi_layer_eagle"),
     Attribute("sglang.srt.arg_groups.fields.model:Model.model_path"),
@@ -437,8 +430,6 @@ CONTRACT: tuple[Entry, ...] = (
     Attribute("sglang.srt.arg_groups.fields.model:Model.trust_remote_code"),
     Attribute("sglang.srt.arg_groups.fields.model:Model.revision"),
     # worker.py: the EAGLE draft worker (hooked methods, what the hooks call and read)
-    Signature(f"{WORKER}.init_token_map", "(self)"),
-    Signature(f"{WORKER}.init_lm_head", "(self)"),
     Signature(f"{WORKER}._resolve_shared_embed_and_head", "(self)"),
     Attribute(f"{WORKER}.hot_token_id"),
     Attribute(f"{WORKER}.draft_runner"),
@@ -469,23 +460,16 @@ CONTRACT: tuple[Entry, ...] = (
     Signature("sglang.srt.distributed.parallel_state:GroupCoordinator.all_gather_object", "(self, obj)"),
     Attribute("sglang.srt.distributed.parallel_state:GroupCoordinator.world_size"),
     # plugin.py and worker.py: weight updates (AFTER hooks pass the arguments through)
-    Signature(f"{WEIGHT_UPDATER}.update_weights_from_disk", None),
-    Signature(f"{WEIGHT_UPDATER}.update_weights_from_ipc", None),
-    Signature(f"{WEIGHT_UPDATER}.end_weight_update", None),
     Attribute(f"{WEIGHT_UPDATER}.draft_worker"),
     Attribute(f"{EAGLE_V2}._draft_worker"),
     Attribute("sglang.srt.managers.io_struct:EndWeightUpdateReqOutput.success"),
     # coverage.py (and an AFTER hook on init_lm_head, above): the committed tokens of each verify
     # step, and where the scheduler reports
-    Signature(f"{EAGLE_V2}.verify", "(self, batch, pp_proxy_tensors=, grammar_barrier=)"),
     *(Attribute(f"{BATCH_RESULT}.{name}") for name in COMMITTED_FIELDS),
     Attribute("sglang.srt.managers.schedule_batch:ScheduleBatch.forward_mode"),
     Signature("sglang.srt.model_executor.forward_batch_info:ForwardMode.is_idle", "(self)"),
-    Signature(f"{REPORTER}.report_decode_stats", None),
     *(Attribute(f"{REPORTER}.{name}") for name in REPORTER_FIELDS),
-    Signature(f"{SCHEDULER}.on_idle", "(self)"),
     Attribute(f"{SCHEDULER}.metrics_reporter"),
-    Signature(f"{SCHEDULER}.release_host_resources", "(self)"),
     Attribute(f"{SCHEDULER}.draft_worker"),
     Attribute(f"{SCHEDULER}.model_config"),
     Attribute("sglang.srt.configs.model_config:ModelConfig.hf_eos_token_id"),
@@ -496,12 +480,7 @@ CONTRACT: tuple[Entry, ...] = (
     Named("sglang.srt.runtime_context", "tp_size"),
     # pd.py: the hot indices a PD prefill node ships and a decode node receives, and the mode
     # that makes a node a PD node
-    Signature("sglang.srt.disaggregation.utils:MetadataBuffers.set_buf", "(self, req)"),
     Attribute("sglang.srt.managers.schedule_batch:Req.output_topk_index"),
-    Signature(
-        "sglang.srt.speculative.eagle_disaggregation:build_eagle_disagg_draft_input",
-        "(batch, last_tokens_tensor, future_map)",
-    ),
     Attribute("sglang.srt.speculative.eagle_info:EagleDraftInput.topk_index"),
     Signature("sglang.srt.runtime_context:get_disagg", "()"),
     Attribute("sglang.srt.arg_groups.fields.disagg:Disagg.disaggregation_mode"),
@@ -624,19 +603,26 @@ def refuse_token_map_at_tp(message: str) -> None:
     register_resolution_hook("handle_speculative_decoding")(refuse)
 
 
-def check_running_sglang() -> bool:
-    """True if the running SGLang keeps the contract. Otherwise log one line, register only the
-    argument-time refusal (when SGLang still allows it), and return False."""
+@dataclass(frozen=True)
+class ContractCheck:
+    """What ``check_running_sglang`` found: ``holds``, or the logged ``message`` and whether the
+    argument-time refusal can still be registered (``refusable``)."""
+
+    holds: bool
+    message: str = ""
+    refusable: bool = False
+
+
+def check_running_sglang() -> ContractCheck:
+    """Check the running SGLang against the contract; a broken one is logged in one line."""
     live = LiveSGLang()
     found = problems(live)
     if not found:
-        return True
+        return ContractCheck(holds=True)
     refusable = not problems(live, ARGUMENT_TIME)
     message = mismatch_message(live.version, found, refused=refusable)
     logger.error(message)
-    if refusable:
-        refuse_token_map_at_tp(message)
-    return False
+    return ContractCheck(holds=False, message=message, refusable=refusable)
 
 
 def compatibility_table(results: list[tuple[str, list[str]]], tested: str) -> str:

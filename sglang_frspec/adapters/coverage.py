@@ -1,6 +1,6 @@
 """Seam 5: how many of the tokens the target commits the token map holds, while serving.
 
-Five hooks, all outside captured CUDA graphs:
+Five hooks (``adapters/hooks.py``), all outside captured CUDA graphs:
 
 1. AFTER ``EagleDraftWorker.init_lm_head``: with the plugin's hot head installed and coverage on
    (``SGLANG_FRSPEC_COVERAGE``, default 1), every rank gets a ``CommittedTokenCounts`` over the
@@ -39,13 +39,6 @@ from sglang_frspec.adapters.adapt import HotSetAdapter
 from sglang_frspec.core.coverage import CommittedTokenCounts, CoverageTotals, PendingSnapshot
 
 logger = logging.getLogger(__name__)
-
-VERIFY_HOOK = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify"
-REPORT_HOOK = (
-    "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
-)
-IDLE_HOOK = "sglang.srt.managers.scheduler.Scheduler.on_idle"
-SHUTDOWN_HOOK = "sglang.srt.managers.scheduler.Scheduler.release_host_resources"
 
 COMMITTED_METRIC = "sglang:frspec_committed_tokens_total"
 IN_MAP_METRIC = "sglang:frspec_committed_in_map_tokens_total"

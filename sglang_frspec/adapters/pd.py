@@ -20,8 +20,6 @@ from sglang.srt.runtime_context import get_disagg
 
 from sglang_frspec.core import HotIds, HotWireOrder
 
-SET_BUF_HOOK = "sglang.srt.disaggregation.utils.MetadataBuffers.set_buf"
-DRAFT_INPUT_HOOK = "sglang.srt.speculative.eagle_disaggregation.build_eagle_disagg_draft_input"
 PD_MODES = ("prefill", "decode")
 
 _wire_order: HotWireOrder | None = None
