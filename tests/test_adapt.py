@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_frspec.core import plan_from_ranges, vocab_shard_ranges
+from sglang_frspec.core import build_local_head, plan_from_ranges, vocab_shard_ranges
 from sglang_frspec.core.adapt import (
     MARGIN_SHIFT,
     MIN_MARGIN,
@@ -94,3 +94,28 @@ def test_swapped_rows_equal_the_rows_of_the_new_ids(tp):
         run = new_hot[plan.offsets[rank] : plan.offsets[rank] + plan.counts[rank]]
         assert bool(((run >= start) & (run < end)).all())  # still this rank's own rows
         assert torch.equal(head, full[run]) and head.data_ptr() == addr  # in place
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_a_weight_refresh_after_swaps_rebuilds_the_current_set(tp):
+    """The adapter rewrites the plan's hot ids in place with hot_token_id, so the refresh of a
+    weight update (build_local_head over the plan, into the same head) reads the rows of the ids
+    served now, from the new weights."""
+    gen = torch.Generator().manual_seed(tp)
+    old, new = torch.randn(VOCAB, 16, generator=gen), torch.randn(VOCAB, 16, generator=gen)
+    ranges = vocab_shard_ranges(VOCAB, tp)
+    plan = plan_from_ranges(torch.randperm(VOCAB, generator=gen)[:40].sort().values, ranges, "local")
+    heads = [build_local_head(old[s:e], plan, r, None) for r, (s, e) in enumerate(ranges)]
+    scores = torch.zeros(VOCAB, dtype=torch.int64)
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[plan.hot_ids] = False
+    scores[torch.nonzero(outside).flatten()[::11]] = 50 << SCORE_SHIFT
+    swaps = choose_swaps(scores, plan.hot_ids, swap_groups(plan), torch.zeros(0, dtype=torch.int64), 8)
+    assert len(swaps) == 8
+    plan.hot_ids.index_copy_(0, swaps.positions, swaps.ids_in)  # what the adapter does
+    for rank, (start, end) in enumerate(ranges):
+        addr = heads[rank].data_ptr()
+        build_local_head(new[start:end], plan, rank, None, out=heads[rank])  # the refresh
+        first, count = plan.offsets[rank], plan.counts[rank]
+        assert torch.equal(heads[rank][:count], new[plan.hot_ids[first : first + count]])
+        assert heads[rank].data_ptr() == addr

@@ -71,21 +71,20 @@ def choose_swaps(
     protected: torch.Tensor,
     max_swaps: int,
 ) -> Swaps:
-    """The swaps of one decision, at most ``max_swaps`` in all, shared out over the groups.
+    """The swaps of one decision: at most ``max_swaps`` in all, the largest gains first.
 
-    ``scores`` int64 [V] decayed counts (``decay_scores``); ``hot_ids`` int64 [H], the current id at each hot
-    position; ``protected`` int64 ids that never leave the map.
+    ``scores`` int64 [V] decayed counts (``decay_scores``); ``hot_ids`` int64 [H], the current id
+    at each hot position; ``protected`` int64 ids that never leave the map.
     """
-    per_group = -(-max_swaps // len(groups))
     never_out = torch.iinfo(torch.int64).max
-    picked = []
+    positions, ids_in, gains = [], [], []
     for group in groups:
         start, end = group.vocab_range
         inside = hot_ids[group.first : group.end]
         inside_scores = scores[inside].masked_fill(torch.isin(inside, protected), never_out)
         outside_scores = scores[start:end].clone()
         outside_scores[inside - start] = -1  # already in the map
-        n = min(per_group, inside.numel(), end - start - inside.numel())
+        n = min(max_swaps, inside.numel(), end - start - inside.numel())
         if n <= 0:
             continue
         best_out, best_out_at = outside_scores.topk(n)
@@ -94,12 +93,18 @@ def choose_swaps(
         # best_out descends and weak_in ascends, so the swaps that pay are a prefix.
         pays = (best_out > weak_in + margin) & (weak_in != never_out)
         count = int(pays.cumprod(0).sum())
-        picked.append((group.first + weak_in_at[:count], start + best_out_at[:count]))
-    positions = torch.cat([p for p, _ in picked]) if picked else torch.zeros(0, dtype=torch.int64)
-    ids_in = torch.cat([i for _, i in picked]) if picked else torch.zeros(0, dtype=torch.int64)
-    order = positions.argsort()
-    positions, ids_in = positions[order], ids_in[order]
-    return Swaps(positions, ids_in, hot_ids[positions])
+        positions.append(group.first + weak_in_at[:count])
+        ids_in.append(start + best_out_at[:count])
+        gains.append(best_out[:count] - weak_in[:count])
+    if not positions:
+        empty = torch.zeros(0, dtype=torch.int64, device=hot_ids.device)
+        return Swaps(empty, empty, empty)
+    # The best gains over all groups (ties: the earlier group first), then in position order.
+    kept = torch.cat(gains).argsort(descending=True, stable=True)[:max_swaps]
+    kept_positions, kept_ids = torch.cat(positions)[kept], torch.cat(ids_in)[kept]
+    order = kept_positions.argsort()
+    kept_positions, kept_ids = kept_positions[order], kept_ids[order]
+    return Swaps(kept_positions, kept_ids, hot_ids[kept_positions])
 
 
 def apply_swaps_to_local_head(
