@@ -199,6 +199,12 @@ ARCHITECTURES = {
                     "mscale_all_dim": 1.0,
                 },
                 "num_nextn_predict_layers": 1,
+                # DeepSeek-V3's router settings, read by SGLang's loader from config.json.
+                "moe_layer_freq": 1,
+                "scoring_func": "sigmoid",
+                "topk_method": "noaux_tc",
+                "routed_scaling_factor": 2.5,
+                "norm_topk_prob": True,
             },
             "own ParallelLMHead; the NextN draft's shared_head.head takes the target's",
             draft="deepseek_mtp",

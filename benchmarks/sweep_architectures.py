@@ -111,7 +111,7 @@ def sweep_one(name: str, log_dir: Path) -> dict:
 def table(rows: list[dict]) -> str:
     """The sweep as a fixed-width text table, with each failure's error below it."""
     lines = [f"{'architecture':<20} {'target class':<24} {'algo':<6} {'result':<28} {'accept len':<18} "
-             f"{'plain = HF':<11} plugin line", "-" * 132]  # fmt: skip
+             f"{'plain = HF':<20} plugin line", "-" * 141]  # fmt: skip
     notes = []
     for row in rows:
         spec = row.get("plugin_server", {})
@@ -120,7 +120,7 @@ def table(rows: list[dict]) -> str:
                            spec.get("plugin", [])) or "-"  # fmt: skip
         hf = row.get("plain_equals_hf", "-").split(":")[0]
         lines.append(f"{row['name']:<20} {row['target']:<24} {row['algorithm']:<6} {row['status']:<28} "
-                     f"{accept:<18} {hf:<11} {plugin}")  # fmt: skip
+                     f"{accept:<18} {hf:<20} {plugin}")  # fmt: skip
         if "error" in row:
             notes.append(f"{row['name']}: {row['error']}")
         if row.get("plain_equals_hf", "yes").startswith(("no", "not")):
