@@ -5,8 +5,8 @@ plugin is active.
 The tiny random-weight checkpoints come from ``benchmarks/architectures.py``, the builders of the
 whole sweep (``benchmarks/sweep_architectures.py``, results in docs/results/architecture-sweep-cpu.txt).
 The greedy reference is an HF transformers forward of the target, not a second SGLang server: half
-the servers, and an independent implementation (the sweep shows SGLang's plain greedy equals it on
-every family here).
+the servers, and an independent implementation. Its float32 logits differ from SGLang's by more than
+two SGLang runs differ, so a near-tie is judged with a wider margin (``HF_TIE_EPSILON``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
 
 pytestmark = pytest.mark.server
 NEW = 16
+# SGLang's plain greedy and HF's flip top-2 near-ties at margins up to 0.0059 on these tiny models
+# (docs/results/architecture-sweep-cpu.txt: llama_tied 0.0028, qwen3_tied 0.0011, phi3 0.0059);
+# the diverging ids must still be HF's top two.
+HF_TIE_EPSILON = 1e-2
 PROMPTS = [[5, 77, 1203], [4000, 17], [9, 9, 9, 9, 2500]]
 FAMILIES = [
     "llama_tied",  # the head is the target's embed_tokens: a VocabParallelEmbedding, not a ParallelLMHead
@@ -41,5 +45,5 @@ def test_family_at_tp2_with_a_map_decodes_as_greedy(name, start_server):
     assert_plugin_active(server, num_hot(fixture.token_map("hot")), 2)
     outs = server.generate(PROMPTS, NEW)
     expected = [reference_greedy(fixture.target, prompt, NEW) for prompt in PROMPTS]
-    compare_greedy(fixture.target, PROMPTS, [o["output_ids"] for o in outs], expected)
+    compare_greedy(fixture.target, PROMPTS, [o["output_ids"] for o in outs], expected, HF_TIE_EPSILON)
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)  # the draft really ran
