@@ -191,6 +191,7 @@ def weight_update_refresh(payload: dict) -> dict:
 
     from sglang_frspec import plugin
     from sglang_frspec.adapters.head import describe_head_shard
+    from sglang_frspec.adapters.state import FrSpecState
     from sglang_frspec.adapters.worker import FrSpecDraftHead
     from sglang_frspec.core import build_local_head, plan_from_ranges
     from sglang_frspec.core.options import FrSpecOptions
@@ -218,7 +219,8 @@ def weight_update_refresh(payload: dict) -> dict:
     manager = SchedulerWeightUpdaterManager(
         tp_worker=_Worker([("target", runner)]),
         draft_worker=SimpleNamespace(
-            _draft_worker=SimpleNamespace(frspec_head=state), weight_update_runners=lambda: []
+            _draft_worker=SimpleNamespace(frspec=FrSpecState("map.pt", None, None, head=state)),
+            weight_update_runners=lambda: [],
         ),
         memory_saver_adapter=None,
         flush_cache=lambda empty_cache=False: flush_ok["value"],

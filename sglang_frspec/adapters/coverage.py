@@ -36,6 +36,7 @@ import torch
 from sglang.srt.runtime_context import get_parallel, get_serving, get_spec
 
 from sglang_frspec.adapters.adapt import HotSetAdapter
+from sglang_frspec.adapters.state import state_of
 from sglang_frspec.core.coverage import CommittedTokenCounts, CoverageTotals, PendingSnapshot
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ class HotCoverage:
 def install_after_init_lm_head(result, worker):
     """AFTER hook: counters for a draft worker that got the plugin's hot head (coverage on), and
     the adaptive map on them when asked for."""
-    head = getattr(worker, "frspec_head", None)
+    state = state_of(worker)
+    head = state.head if state is not None else None
     if head is None or not head.options.coverage:
         return result
     counts = CommittedTokenCounts(worker.hot_token_id, head.shard.vocab_size)
@@ -75,13 +77,13 @@ def install_after_init_lm_head(result, worker):
                                          tuple(eos))  # fmt: skip
         if get_parallel().tp_rank == 0:
             logger.info("sglang-frspec: %s", coverage.adapter.describe())
-    worker.frspec_coverage = coverage
+    state.coverage = coverage
     return result
 
 
 def count_after_verify(result, worker, batch, *args, **kwargs):
     """AFTER hook on ``EAGLEWorkerV2.verify``: add this step's committed tokens (device only)."""
-    coverage = getattr(worker._draft_worker, "frspec_coverage", None)
+    coverage = _coverage_of_worker(worker)
     if coverage is not None and result.accept_lens is not None and not batch.forward_mode.is_idle():
         stride = result.speculative_output_stride or result.speculative_num_draft_tokens
         coverage.counts.add(result.next_token_ids, result.accept_lens, stride)
@@ -91,9 +93,13 @@ def count_after_verify(result, worker, batch, *args, **kwargs):
     return result
 
 
+def _coverage_of_worker(worker) -> HotCoverage | None:
+    state = state_of(worker)
+    return state.coverage if state is not None else None
+
+
 def _coverage_of(scheduler) -> HotCoverage | None:
-    spec_worker = scheduler.draft_worker  # EAGLEWorkerV2 (or None without speculative decoding)
-    return getattr(getattr(spec_worker, "_draft_worker", None), "frspec_coverage", None)
+    return _coverage_of_worker(scheduler.draft_worker)  # EAGLEWorkerV2, or None without speculation
 
 
 def _writes_counts(coverage: HotCoverage) -> bool:

@@ -33,8 +33,10 @@ from sglang_frspec.adapters.head import (
     quantized_head_bytes,
 )
 from sglang_frspec.adapters.logits import FrSpecLogitsProcessor
+from sglang_frspec.adapters.state import FrSpecState, attach_state, state_of
 from sglang_frspec.adapters.token_map import load_token_map_ids
 from sglang_frspec.core import (
+    HotIds,
     HotShardPlan,
     TokenMapError,
     UnsupportedSetupError,
@@ -71,12 +73,12 @@ def around_init_token_map(original: Callable, worker) -> None:
     if not _uses_token_map(worker):
         return original(worker)
     path = get_spec().speculative_token_map
-    worker.frspec_map_source = path
     try:
-        worker.frspec_map_ids, worker.frspec_map_error = load_token_map_ids(path), None
+        state = FrSpecState(path, load_token_map_ids(path), None)
     except TokenMapError as e:
-        worker.frspec_map_ids, worker.frspec_map_error = torch.empty(0, dtype=torch.int64), e
-    worker.hot_token_id = worker.frspec_map_ids  # file order, as upstream; init_lm_head canonicalises
+        state = FrSpecState(path, torch.empty(0, dtype=torch.int64), e)
+    attach_state(worker, state)
+    worker.hot_token_id = state.map_ids  # file order, as upstream; init_lm_head canonicalises
 
 
 def agree_across_ranks(status: tuple, group) -> None:
@@ -106,25 +108,45 @@ def around_init_lm_head(original: Callable, worker) -> None:
     if not _uses_token_map(worker):
         return original(worker)
     embed, head = worker._resolve_shared_embed_and_head()
+    state = state_of(worker)
+    options, shard, hot = _check_and_agree(worker, state, head)
+    plan = plan_from_ranges(hot.ids, shard.shard_ranges, options.layout)
+    processor, local_head = _install(worker, embed, head, options, shard, hot, plan)
+    state.head = FrSpecDraftHead(plan, shard, options, local_head)
+    pd.install_wire_order(state.map_ids, hot, head.device)  # a PD node ships hot indices
+    state.map_ids = None
+    if get_parallel().tp_rank == 0:
+        _report(options, processor, shard, hot, plan, local_head, worker.topk, state.map_source)
+
+
+def _check_and_agree(
+    worker, state: FrSpecState, head: torch.Tensor
+) -> tuple[FrSpecOptions, HeadShard, HotIds]:
+    """Validate the map and the setup on this rank, then raise the same error on every rank if
+    any rank failed (or the ranks' maps differ)."""
     draft_model = worker.draft_runner.model
-    target_model = worker.target_worker.model_runner.model
-    source = worker.frspec_map_source
-    hot = shard = None
+    options = shard = hot = None
     try:
-        if worker.frspec_map_error is not None:
-            raise worker.frspec_map_error
+        if state.map_error is not None:
+            raise state.map_error
         options = FrSpecOptions.from_env()
-        shard = describe_head_shard(find_head_module(target_model, head))
+        shard = describe_head_shard(find_head_module(worker.target_worker.model_runner.model, head))
         check_head_supported(shard.module)
-        hot = canonical_hot_ids(worker.frspec_map_ids, shard.vocab_size, source=source)
-        check_hot_ids_cover_topk(len(hot), worker.topk, source=source)
+        hot = canonical_hot_ids(state.map_ids, shard.vocab_size, source=state.map_source)
+        check_hot_ids_cover_topk(len(hot), worker.topk, source=state.map_source)
         check_draft_supported(draft_model, len(hot))
         status = ("ok", hot.digest, len(hot))
     except (TokenMapError, UnsupportedSetupError) as e:
         status = ("error", type(e).__name__, str(e))
     agree_across_ranks(status, get_parallel().tp_group)
+    return options, shard, hot
 
-    plan = plan_from_ranges(hot.ids, shard.shard_ranges, options.layout)
+
+def _install(worker, embed, head, options: FrSpecOptions, shard: HeadShard, hot: HotIds,
+             plan: HotShardPlan) -> tuple[FrSpecLogitsProcessor, torch.Tensor]:  # fmt: skip
+    """Give the draft this rank's hot head and the hot-logits processor, and set ``hot_token_id``:
+    the contract the rest of the EAGLE worker relies on."""
+    draft_model = worker.draft_runner.model
     # A quantized head's hot rows are dequantized into the dtype the draft computes in.
     local_head = build_hot_head(shard, plan, worker.draft_runner.dtype)
     draft_model.set_embed_and_head(embed, local_head)
@@ -145,38 +167,40 @@ def around_init_lm_head(original: Callable, worker) -> None:
     )
     draft_model.logits_processor = processor
     worker.hot_token_id = plan.hot_ids.to(head.device)
-    worker.frspec_head = FrSpecDraftHead(plan, shard, options, local_head)
-    pd.install_wire_order(worker.frspec_map_ids, hot, head.device)  # a PD node ships hot indices
-    del worker.frspec_map_ids
-    if get_parallel().tp_rank == 0:
-        if processor.exchange != options.exchange:
-            logger.warning(
-                "sglang-frspec: exchange=%s needs 0 < --speculative-eagle-topk < %d hot ids "
-                "(topk is %d); using exchange=%s.",
-                options.exchange,
-                plan.num_hot,
-                worker.topk,
-                processor.exchange,
-            )
-        if hot.num_duplicates:
-            logger.warning(
-                "sglang-frspec: token map %s repeats %d id(s); using %d distinct ids.",
-                source,
-                hot.num_duplicates,
-                len(hot),
-            )
-        log_quantized_head_bytes(shard, local_head)
-        logger.info(
-            "sglang-frspec: %d hot ids over %d rank(s), layout=%s exchange=%s, "
-            "columns per rank %s (width %d, max/mean %.2f)",
+    return processor, local_head
+
+
+def _report(options: FrSpecOptions, processor: FrSpecLogitsProcessor, shard: HeadShard, hot: HotIds,
+            plan: HotShardPlan, local_head: torch.Tensor, topk: int, source: str) -> None:  # fmt: skip
+    """Rank 0's start-up lines: fallbacks, repeated ids, the quantized head's bytes, the plan."""
+    if processor.exchange != options.exchange:
+        logger.warning(
+            "sglang-frspec: exchange=%s needs 0 < --speculative-eagle-topk < %d hot ids "
+            "(topk is %d); using exchange=%s.",
+            options.exchange,
             plan.num_hot,
-            plan.tp_size,
-            plan.layout,
+            topk,
             processor.exchange,
-            list(plan.counts),
-            plan.width,
-            plan.imbalance,
         )
+    if hot.num_duplicates:
+        logger.warning(
+            "sglang-frspec: token map %s repeats %d id(s); using %d distinct ids.",
+            source,
+            hot.num_duplicates,
+            len(hot),
+        )
+    log_quantized_head_bytes(shard, local_head)
+    logger.info(
+        "sglang-frspec: %d hot ids over %d rank(s), layout=%s exchange=%s, "
+        "columns per rank %s (width %d, max/mean %.2f)",
+        plan.num_hot,
+        plan.tp_size,
+        plan.layout,
+        processor.exchange,
+        list(plan.counts),
+        plan.width,
+        plan.imbalance,
+    )
 
 
 def log_quantized_head_bytes(shard: HeadShard, local_head: torch.Tensor) -> None:
@@ -219,14 +243,15 @@ class ShardedFRSpecEagleDraftWorker(EagleDraftWorker):
 def _refresh_on_every_rank(manager, wanted: bool) -> None:
     """Refresh the hot head if any rank wants it: a refresh (a collective under the balanced
     layout) then runs on every rank or on none, even if the ranks' update results differ."""
-    state = getattr(getattr(manager.draft_worker, "_draft_worker", None), "frspec_head", None)
-    if state is None:  # the same on every rank: no map, or not an EAGLE draft
+    state = state_of(manager.draft_worker)
+    head = state.head if state is not None else None
+    if head is None:  # the same on every rank: no map, or not an EAGLE draft
         return
     group = get_parallel().tp_group
     if group.world_size > 1:
         wanted = any(group.all_gather_object(wanted))
     if wanted:
-        state.refresh()
+        head.refresh()
 
 
 def refresh_after_complete_update(result, manager, *args, **kwargs):
