@@ -26,7 +26,8 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from sglang_frspec.adapters.contract import SourceSGLang, compatibility_table, problems
+from sglang_frspec.adapters.contract import CONTRACT, compatibility_table
+from sglang_frspec.adapters.contract_check import SourceSGLang, problems
 
 REPO = Path(__file__).resolve().parent.parent
 TABLE_BEGIN, TABLE_END = "<!-- sglang-compat:begin -->", "<!-- sglang-compat:end -->"
@@ -71,7 +72,7 @@ def check_release(version: str, folder: Path) -> list[str]:
     pip("download", "--quiet", "--no-deps", "--only-binary", ":all:", f"sglang=={version}", "-d", str(target))
     (wheel,) = target.glob("sglang-*.whl")
     with zipfile.ZipFile(wheel) as archive:
-        return problems(SourceSGLang(archive, version))
+        return problems(SourceSGLang(archive, version), CONTRACT)
 
 
 def readme_table() -> str:

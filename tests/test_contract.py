@@ -18,6 +18,14 @@ import tomllib
 from packaging.requirements import Requirement
 
 from sglang_frspec.adapters import contract
+from sglang_frspec.adapters.contract_check import (
+    Contains,
+    LiveSGLang,
+    Named,
+    Signature,
+    SourceSGLang,
+    problems,
+)
 from sglang_frspec.adapters.hooks import HOOKS, hook_target
 from sglang_frspec.testing.cpu import cpu_env
 
@@ -32,14 +40,12 @@ def _pins() -> dict[str, str]:
 
 
 def test_contract_holds_on_the_installed_sglang_live_and_from_source():
-    assert contract.problems(contract.LiveSGLang()) == []
-    assert contract.problems(contract.SourceSGLang(SITE, INSTALLED)) == []
+    assert problems(LiveSGLang(), contract.CONTRACT) == []
+    assert problems(SourceSGLang(SITE, INSTALLED), contract.CONTRACT) == []
 
 
 def _contract_files() -> list[str]:
-    modules = {
-        e.module if isinstance(e, contract.Named) else e.target.partition(":")[0] for e in contract.CONTRACT
-    }
+    modules = {e.module if isinstance(e, Named) else e.target.partition(":")[0] for e in contract.CONTRACT}
     files = []
     for module in sorted(modules):
         relative = module.replace(".", "/")
@@ -123,14 +129,14 @@ SOURCE_CHANGES = {
 
 
 def test_an_unchanged_copy_of_the_source_keeps_the_contract(tmp_path):
-    assert contract.problems(contract.SourceSGLang(_release_wheel(tmp_path / "r.whl"), INSTALLED)) == []
+    assert problems(SourceSGLang(_release_wheel(tmp_path / "r.whl"), INSTALLED), contract.CONTRACT) == []
 
 
 @pytest.mark.parametrize("change", SOURCE_CHANGES)
 def test_the_source_check_names_each_kind_of_change(tmp_path, change):
     file, old, new, expected = SOURCE_CHANGES[change]
-    release = contract.SourceSGLang(_release_wheel(tmp_path / "r.whl", file, old, new), "9.9.9")
-    found = contract.problems(release)
+    release = SourceSGLang(_release_wheel(tmp_path / "r.whl", file, old, new), "9.9.9")
+    found = problems(release, contract.CONTRACT)
     assert any(expected in problem for problem in found), found
 
 
@@ -210,10 +216,10 @@ def test_register_installs_the_hook_table_and_the_contract_checks_every_target(p
     assert log == []
     assert result["tp2"] == "resolved" and result["hooks"], result
     assert set(result["hooks"]) == {hook_target(h.target) for h in HOOKS}
-    hooked = {hook_target(e.target) for e in contract.CONTRACT if isinstance(e, contract.Signature)}
+    hooked = {hook_target(e.target) for e in contract.CONTRACT if isinstance(e, Signature)}
     assert set(result["hooks"]) <= hooked, set(result["hooks"]) - hooked
     assert set(result["patched"]) == set(result["hooks"])
-    steps = {e.value for e in contract.CONTRACT if isinstance(e, contract.Contains)}
+    steps = {e.value for e in contract.CONTRACT if isinstance(e, Contains)}
     assert set(result["resolution"]) <= steps
 
 
@@ -241,7 +247,7 @@ def test_readme_compatibility_table_matches_the_check_of_the_installed_release()
     block = re.search(r"<!-- sglang-compat:begin -->\n(.*?)\n<!-- sglang-compat:end -->", readme, re.DOTALL)
     assert block, "README.md lacks the compatibility table markers"
     readme_lines = block.group(1).splitlines()
-    found = contract.problems(contract.SourceSGLang(SITE, INSTALLED))
+    found = problems(SourceSGLang(SITE, INSTALLED), contract.CONTRACT)
     generated = contract.compatibility_table([(INSTALLED, found)], tested=_pins()["sglang"]).splitlines()
     assert readme_lines[:2] == generated[:2]
     assert [line for line in readme_lines if line.startswith(f"| {INSTALLED} |")] == generated[2:]
