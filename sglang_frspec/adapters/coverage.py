@@ -29,15 +29,14 @@ overlap scheduler (GPU) one more step of a request that has just finished.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
-import torch
 from sglang.srt.runtime_context import get_parallel, get_serving, get_spec
 
 from sglang_frspec.adapters.adapt import HotSetAdapter
 from sglang_frspec.adapters.state import state_of
 from sglang_frspec.core.coverage import CommittedTokenCounts, CoverageTotals, PendingSnapshot
+from sglang_frspec.maps.counts_file import TokenCounts, save_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -207,15 +206,12 @@ def _export(coverage: HotCoverage, totals: CoverageTotals, collector) -> None:
 
 
 def write_counts(totals: CoverageTotals, coverage: HotCoverage, scheduler) -> None:
-    """Save the per-id counts as a ``build-map`` counts file: written beside, then renamed over.
+    """Save the per-id counts as a ``build-map`` counts file (and, when the map adapts, that map).
 
     With them go the accepted drafts per id and the speculative settings, which ``size`` uses to
     model what a smaller map would keep of this server's acceptance."""
-    from sglang_frspec.maps.counting import TokenCounts
-
     eos = scheduler.model_config.hf_eos_token_id or ()
     spec = get_spec()
-    partial = f"{coverage.counts_path}.partial"
     TokenCounts(
         counts=totals.counts,
         num_documents=0,  # serving counts are not split by request
@@ -232,8 +228,8 @@ def write_counts(totals: CoverageTotals, coverage: HotCoverage, scheduler) -> No
             "num_draft_tokens": spec.speculative_num_draft_tokens,
             "hot_ids": int(coverage.counts.hot_ids.numel()),
         },
-    ).save(partial)
-    os.replace(partial, coverage.counts_path)  # a reader (or a crash) never sees half a file
+    ).save(coverage.counts_path)
     if coverage.adapter is not None:  # the map served now, for the next start
-        torch.save(coverage.counts.hot_ids.sort().values.cpu(), partial)
-        os.replace(partial, f"{coverage.counts_path}{ADAPTED_MAP_SUFFIX}")
+        save_atomically(
+            coverage.counts.hot_ids.sort().values.cpu(), f"{coverage.counts_path}{ADAPTED_MAP_SUFFIX}"
+        )

@@ -1,32 +1,36 @@
 """Token-map tooling: count tokens over a corpus, rank them into a map, inspect and plot maps.
 
-Heavier libraries (transformers, datasets, tqdm, matplotlib) are imported only when used.
+Names are imported from their modules on first use (PEP 562), so a serving scheduler that writes
+a counts file (``maps.counts_file``) imports neither the counting pool nor the tokenizer module;
+heavier libraries (transformers, datasets, tqdm, matplotlib) are imported only when used.
 """
 
-from sglang_frspec.maps.build import build_token_map, rebuild_token_map
-from sglang_frspec.maps.corpus import CORPUS_SUFFIXES, corpus_sources, read_documents
-from sglang_frspec.maps.counting import TokenCounts, count_tokens, encode_batch
-from sglang_frspec.maps.errors import MapBuildError
-from sglang_frspec.maps.plot import plot_plans
-from sglang_frspec.maps.ranking import check_map_size, save_token_map, top_token_ids
-from sglang_frspec.maps.tokenizer import eos_token_ids, load_tokenizer, resolve_tokens, token_id_space
+import importlib
 
-__all__ = [
-    "CORPUS_SUFFIXES",
-    "MapBuildError",
-    "TokenCounts",
-    "build_token_map",
-    "check_map_size",
-    "corpus_sources",
-    "count_tokens",
-    "encode_batch",
-    "eos_token_ids",
-    "load_tokenizer",
-    "plot_plans",
-    "read_documents",
-    "rebuild_token_map",
-    "resolve_tokens",
-    "save_token_map",
-    "token_id_space",
-    "top_token_ids",
-]
+_MODULE_OF = {
+    "build_token_map": "build",
+    "rebuild_token_map": "build",
+    "CORPUS_SUFFIXES": "corpus",
+    "corpus_sources": "corpus",
+    "read_documents": "corpus",
+    "count_tokens": "counting",
+    "encode_batch": "counting",
+    "TokenCounts": "counts_file",
+    "MapBuildError": "errors",
+    "plot_plans": "plot",
+    "check_map_size": "ranking",
+    "save_token_map": "ranking",
+    "top_token_ids": "ranking",
+    "eos_token_ids": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "resolve_tokens": "tokenizer",
+    "token_id_space": "tokenizer",
+}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_frspec.maps.counting import TokenCounts, count_tokens
+from sglang_frspec.maps.counting import count_tokens
+from sglang_frspec.maps.counts_file import TokenCounts
 from sglang_frspec.maps.errors import MapBuildError
 from sglang_frspec.maps.ranking import check_map_size, top_token_ids
 from sglang_frspec.maps.tokenizer import (

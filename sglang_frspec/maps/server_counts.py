@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from sglang_frspec.maps.corpus import JSON_LINES_SUFFIXES, read_documents
-from sglang_frspec.maps.counting import TokenCounts
+from sglang_frspec.maps.counts_file import TokenCounts
 from sglang_frspec.maps.errors import MapBuildError
 from sglang_frspec.maps.ranking import check_map_size, top_token_ids
 from sglang_frspec.maps.tokenizer import (
@@ -320,7 +320,7 @@ class _ServerCount:
             )
 
     def save(self) -> TokenCounts:
-        """Write the counts so far (beside, then renamed over: never half a file)."""
+        """Write the counts so far."""
         run = self.run_settings
         snapshot = TokenCounts(
             counts=torch.from_numpy(self.counts.copy()),
@@ -336,9 +336,7 @@ class _ServerCount:
                 "done": torch.from_numpy(self.done.copy()),
             },
         )
-        partial = f"{self.counts_path}.partial"
-        snapshot.save(partial)
-        os.replace(partial, self.counts_path)
+        snapshot.save(self.counts_path)
         return snapshot
 
     def add(self, index: int, ids: list[int]) -> None:
