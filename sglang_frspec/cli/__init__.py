@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import version
 
-from sglang_frspec import __version__
 from sglang_frspec.cli import build_map, demo, inspect_map, plan, size
 from sglang_frspec.core import TokenMapError, UnsupportedSetupError
 
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sglang-frspec",
         description="FR-Spec token maps for SGLang EAGLE under tensor parallelism.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('sglang-frspec')}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.add_parser(subparsers)

@@ -190,7 +190,7 @@ class HotLogitsExchange:
     @functools.cache
     def _triton_kernels():
         try:
-            from sglang_frspec import kernels
+            import sglang_frspec.kernels as kernels
         except ImportError:  # no triton: the torch reference
             return None
         return kernels

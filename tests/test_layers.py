@@ -1,0 +1,91 @@
+"""The layers are a checked rule: what each part of the package may import (read with ast)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "sglang_frspec"
+# Imports each layer may not make (prefixes of absolute module names).
+FORBIDDEN = {
+    # The pure core: torch and the standard library (and, on CUDA, its kernel); never SGLang nor
+    # anything above it.
+    "core": ("sglang", "triton", "sglang_frspec.adapters", "sglang_frspec.maps", "sglang_frspec.cli",
+             "sglang_frspec.testing", "sglang_frspec.plugin"),
+    # Kernels: torch and triton only.
+    "kernels": ("sglang", "sglang_frspec.core", "sglang_frspec.adapters", "sglang_frspec.maps",
+                "sglang_frspec.cli", "sglang_frspec.testing", "sglang_frspec.plugin"),
+    # Map tooling works without SGLang and below the CLI.
+    "maps": ("sglang", "sglang_frspec.adapters", "sglang_frspec.cli", "sglang_frspec.testing",
+             "sglang_frspec.plugin"),
+    # The serving adapters never reach the CLI or the test support.
+    "adapters": ("sglang_frspec.cli", "sglang_frspec.testing", "sglang_frspec.plugin"),
+}  # fmt: skip
+
+
+def _imports(path: Path, root: Path = PACKAGE.parent) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in a module below ``root``, nested ones included."""
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(filter(None, [base, node.module or ""]))
+            found += [(node.lineno, module)]
+            if module == "sglang_frspec":  # the package's face: name each imported name
+                found += [(node.lineno, f"sglang_frspec.{alias.name}") for alias in node.names]
+    return found
+
+
+def _modules(layer: str) -> list[Path]:
+    return sorted((PACKAGE / layer).rglob("*.py"))
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_each_layer_imports_only_what_is_below_it(layer):
+    assert _modules(layer)
+    broken = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
+        for path in _modules(layer)
+        for line, module in _imports(path)
+        if any(module == f or module.startswith(f"{f}.") for f in FORBIDDEN[layer])
+    ]
+    assert broken == []
+
+
+def test_no_module_imports_the_package_face():
+    """``sglang_frspec/__init__`` is for users; inside the package every import names its module."""
+    broken = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "__init__.py"
+        for line, module in _imports(path)
+        if module == "sglang_frspec"
+    ]
+    assert broken == []
+
+
+def test_the_rule_reads_relative_nested_and_face_imports(tmp_path):
+    """The checker itself, on a module written here: a relative import inside a function and a
+    name taken from the package's face are both found, as absolute modules."""
+    module = tmp_path / "sglang_frspec" / "core" / "probe.py"
+    module.parent.mkdir(parents=True)
+    lines = [
+        "import torch",
+        "",
+        "",
+        "def f():",
+        "    from ..adapters import worker",
+        "    from sglang_frspec import kernels",
+    ]
+    module.write_text("\n".join(lines) + "\n")
+    assert _imports(module, tmp_path) == [
+        (1, "torch"),
+        (5, "sglang_frspec.adapters"),
+        (6, "sglang_frspec"),
+        (6, "sglang_frspec.kernels"),
+    ]
