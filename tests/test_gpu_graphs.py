@@ -142,3 +142,42 @@ def test_triton_kernels_capture_and_replay_bit_identically(rows):
     want = reference_exchange(width, count, offset).topk_packet_reference(logits, TOPK)
     assert_same_packet(packet, want, TOPK)
     torch.testing.assert_close(logits.float(), hidden.float() @ weight.float().T, rtol=2e-2, atol=2e-2)
+
+
+def test_a_captured_draft_step_replays_the_adapted_map_after_an_in_place_swap():
+    """The adaptive map rewrites hot_token_id and the hot head in place between steps; a graph
+    captured before the swap (GEMM, exchange, top-k, the map to token ids, as SGLang's draft
+    graph holds them) must replay exactly what an eager step computes after it."""
+    from sglang_frspec.core import plan_from_ranges, vocab_shard_ranges
+    from sglang_frspec.core.adapt import SCORE_SHIFT, apply_swaps_to_local_head, choose_swaps, swap_groups
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(7)
+    full = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05).to(device, torch.bfloat16)
+    plan = plan_from_ranges(_skewed_hot_ids(gen).sort().values, vocab_shard_ranges(VOCAB, 1), "local")
+    head = full[plan.hot_ids.to(device)].clone()
+    hot_token_id = plan.hot_ids.to(device)
+    exchange = HotLogitsExchange(plan, 0, device)
+    hidden = torch.randn(ROWS, HIDDEN, generator=gen).to(device, torch.bfloat16)
+
+    def step():
+        logits = exchange.full(hidden @ head.T, None).float()
+        return hot_token_id[logits.topk(TOPK).indices]
+
+    graph, captured = _capture(step)
+    scores = torch.zeros(VOCAB, dtype=torch.int64, device=device)
+    outside = torch.ones(VOCAB, dtype=torch.bool, device=device)
+    outside[hot_token_id] = False
+    # Ids the current logits' favourites are not: the swapped-in rows change what is picked.
+    scores[torch.nonzero(outside).flatten()[::5]] = 50 << SCORE_SHIFT
+    never_out = torch.zeros(0, dtype=torch.int64, device=device)
+    swaps = choose_swaps(scores, hot_token_id, swap_groups(plan), never_out, 512)
+    assert len(swaps) == 512
+    addresses = (head.data_ptr(), hot_token_id.data_ptr())
+    hot_token_id.index_copy_(0, swaps.positions.to(device), swaps.ids_in.to(device))
+    apply_swaps_to_local_head(head, full, plan, 0, swaps)
+    assert (head.data_ptr(), hot_token_id.data_ptr()) == addresses
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, step())
+    assert torch.equal(head, full[hot_token_id])  # the rows of the ids served now
