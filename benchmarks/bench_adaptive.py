@@ -130,8 +130,7 @@ def start(server: Server, fixture, args, log_dir: Path) -> None:
     env = cpu_env(args.tp, with_plugin=True, base=os.environ | options)
     name = f"tp{args.tp}-{server.name.replace(' ', '_')}.log"
     print(f"starting tp={args.tp} {server.name} ...", flush=True)
-    server.server = SGLangServer(cli, env, log_dir / name, forked=True).start().wait_ready()
-    server.server.suspend()  # idle schedulers poll: the next server would start (and run) next to them
+    server.server = SGLangServer(cli, env, log_dir / name, forked=True).start()
 
 
 def generate(server: SGLangServer, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
@@ -467,8 +466,10 @@ def main(argv=None) -> int:
     ]
     began = time.monotonic()
     try:
-        for server in servers:
+        for server in servers:  # all at once: much of a start waits, not computes
             start(server, fixture, args, log_dir)
+        for server in servers:
+            server.server.wait_ready().suspend()  # idle schedulers poll: suspended until measured
         batches = serve(servers, phases, args)
         result = report(servers, batches, phases, fixture, args)
     finally:
