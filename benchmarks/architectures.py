@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from sglang_frspec.testing.fixtures import (
+from sglang_frspec.demo.fixtures import (
     ModelFixture,
     cache_root,
     cached_build,
@@ -213,7 +213,7 @@ ARCHITECTURES = {
     )
 }
 
-BUILDER_DIGEST = source_digest(__name__, "sglang_frspec.testing.fixtures")
+BUILDER_DIGEST = source_digest(__name__, "sglang_frspec.demo.fixtures")
 
 
 def _target_config(arch: Architecture):

@@ -1,6 +1,6 @@
 """Acceptance and speed on a model trained on real text: no map vs maps of each size, side by side.
 
-The trained fixture (``sglang_frspec.testing.trained``: a 32k-vocab BPE Llama trained on the
+The trained fixture (``tests.harness.trained``: a 32k-vocab BPE Llama trained on the
 Python standard library's code, and an EAGLE draft trained on its hidden states) is served by real
 CPU SGLang servers. Prompts are held-out code (the training domain) and held-out prose from the
 language reference (another domain). For each TP size every configuration runs as its own server:
@@ -11,7 +11,7 @@ groups of ``--alive``), idle ones suspended; ratios use the references' samples 
 
 Reports per configuration and domain: accept length, tokens/s, ratio to EAGLE without a map and to
 plain decoding, and whether the outputs equal plain greedy decoding at that TP (tie-aware: a
-difference is allowed only at a top-2 near-tie of the target, see sglang_frspec.testing.greedy).
+difference is allowed only at a top-2 near-tie of the target, see tests.harness.greedy).
     python benchmarks/bench_acceptance.py --json docs/results/acceptance.json --plot docs/acceptance.png
 """
 
@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
 from common import fixture_map, summarize  # noqa: E402
 
-from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
-from sglang_frspec.testing.greedy import compare_greedy  # noqa: E402
-from sglang_frspec.testing.server import SGLangServer  # noqa: E402
-from sglang_frspec.testing.trained import MAP_SIZES, PROSE_MAP_SIZE, trained_fixture  # noqa: E402
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
+from sglang_frspec.demo.server import SGLangServer  # noqa: E402
+from tests.harness.greedy import compare_greedy  # noqa: E402
+from tests.harness.trained import MAP_SIZES, PROSE_MAP_SIZE, trained_fixture  # noqa: E402
 
 PLAIN, NO_MAP = "plain greedy", "EAGLE, no map"
 DOMAINS = ("code", "prose")

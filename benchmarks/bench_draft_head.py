@@ -52,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def relaunch(args: argparse.Namespace) -> int:
     """Start ``args.tp`` ranks of this script with torch.distributed.run."""
-    from sglang_frspec.testing.cpu import cpu_env
-    from sglang_frspec.testing.server import free_port
+    from sglang_frspec.demo.cpu import cpu_env
+    from sglang_frspec.demo.server import free_port
 
     env = cpu_env(args.tp) if args.device == "cpu" else dict(os.environ)
     cmd = [

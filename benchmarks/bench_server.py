@@ -34,9 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median_interval, summarize  # noqa: E402
 
-from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
-from sglang_frspec.testing.fixtures import LLAMA3_VOCAB, perm_fixture  # noqa: E402
-from sglang_frspec.testing.server import SGLangServer  # noqa: E402
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
+from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture  # noqa: E402
+from sglang_frspec.demo.server import SGLangServer  # noqa: E402
 
 STOCK = "stock EAGLE, no map"
 COVERAGE_OFF = ", coverage off"

@@ -6,7 +6,7 @@
     python benchmarks/gpu_server_check.py serve DIR graphs OUT # TP=1 EAGLE + map + plugin server
     python benchmarks/gpu_server_check.py serve DIR eager OUT  # the same with --disable-cuda-graph
 
-The server runs the permutation fixture (``sglang_frspec.testing.fixtures``): greedy decoding
+The server runs the permutation fixture (``sglang_frspec.demo.fixtures``): greedy decoding
 follows x -> pi(x), and every draft token of a chain inside the hot map is accepted. Each serve
 step sends greedy requests (a chain, a prompt outside the map, a batch of 4 chains), checks the
 outputs against greedy decoding computed from the target's weights (its next token depends on
@@ -31,8 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from sglang_frspec.testing.cpu import eagle_args  # noqa: E402
-from sglang_frspec.testing.server import SGLangServer, plugin_activity  # noqa: E402
+from sglang_frspec.demo.cpu import eagle_args  # noqa: E402
+from sglang_frspec.demo.server import SGLangServer, plugin_activity  # noqa: E402
 
 # What a TP=1 EAGLE server imports on CUDA with this check's flags, and what eagle_worker_v2
 # imports lazily there (the attention backends whose draft-extend graphs it can capture).
@@ -187,7 +187,7 @@ def check_tree_kernels(device: str, batch: int = 3, seeds: int = 20) -> None:
 def build_fixture(cache: Path) -> Path:
     """Build the permutation fixture under ``cache`` (as the CPU tests do); returns its folder."""
     os.environ["SGLANG_FRSPEC_CACHE"] = str(cache)
-    from sglang_frspec.testing.fixtures import perm_fixture
+    from sglang_frspec.demo.fixtures import perm_fixture
 
     return perm_fixture().root
 

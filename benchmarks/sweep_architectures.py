@@ -19,12 +19,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
 
 from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
 
-from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
-from sglang_frspec.testing.greedy import compare_greedy, reference_greedy  # noqa: E402
-from sglang_frspec.testing.server import ServerError, SGLangServer, plugin_activity  # noqa: E402
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
+from sglang_frspec.demo.server import ServerError, SGLangServer, plugin_activity  # noqa: E402
+from tests.harness.greedy import compare_greedy, reference_greedy  # noqa: E402
+from tests.harness.zygote import forked_launch  # noqa: E402
 
 TP = 2
 NEW_TOKENS = 24
@@ -35,7 +37,7 @@ _ERROR_LINE = re.compile(r"^\s*(?:\w+\.)*\w*(?:Error|Exception|NotImplemented\w*
 def serve(fixture, log_path: Path, speculative: list[str] | None) -> SGLangServer:
     """A CPU TP=2 server of the fixture's target; ``speculative`` adds the draft (and map)."""
     args = ["--model-path", fixture.target, "--tp-size", str(TP), *CPU_SERVER_ARGS, *(speculative or [])]
-    return SGLangServer(args, cpu_env(TP), log_path, forked=True)
+    return SGLangServer(args, cpu_env(TP), log_path, launch=forked_launch)
 
 
 # SGLang's warm-up thread logs these when it polls a server that is not listening yet: not the failure.

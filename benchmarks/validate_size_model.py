@@ -35,14 +35,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
 from common import fixture_map  # noqa: E402
 
 from sglang_frspec.core import canonical_hot_ids, read_token_map  # noqa: E402
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
+from sglang_frspec.demo.server import SGLangServer  # noqa: E402
 from sglang_frspec.maps import TokenCounts  # noqa: E402
 from sglang_frspec.maps.sizing import estimate_sizes  # noqa: E402
-from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
-from sglang_frspec.testing.server import SGLangServer  # noqa: E402
-from sglang_frspec.testing.trained import MAP_SIZES, trained_fixture  # noqa: E402
+from tests.harness.trained import MAP_SIZES, trained_fixture  # noqa: E402
 
 DOMAINS = ("code", "prose")
 NO_MAP = "EAGLE, no map"

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, CPU_SITE, cpu_env, eagle_args
-from sglang_frspec.testing.fixtures import LLAMA3_VOCAB, perm_fixture
-from sglang_frspec.testing.server import SGLangServer
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, CPU_SITE, cpu_env, eagle_args
+from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture
+from sglang_frspec.demo.server import Launch, SGLangServer
+from tests.harness.zygote import forked_launch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,17 +91,17 @@ def fixture_server(
     extra: tuple = (),
     env: dict | None = None,
     eagle: bool = True,
-    forked: bool = True,
+    launch: Launch = forked_launch,
 ) -> SGLangServer:
     """A (not yet started) CPU ``sglang.launch_server`` of a fixture's target (and EAGLE draft);
     ``env`` adds variables to (never replaces) this process's environment. The launcher is
-    forked from a zygote (see ``SGLangServer``); ``forked=False`` starts a new Python."""
+    forked from a zygote (``forked_launch``); ``launch=new_python`` starts a new Python."""
     args = ["--model-path", fixture.target, "--tp-size", str(tp), *CPU_SERVER_ARGS]
     if eagle:
         args += eagle_args(fixture.draft, token_map)
     args += list(extra)
     env = cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {}))
-    return SGLangServer(args, env, log_path, forked=forked)
+    return SGLangServer(args, env, log_path, launch=launch)
 
 
 @pytest.fixture

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from sglang_frspec.core import UnsupportedSetupError, vocab_shard_ranges
-from sglang_frspec.testing.tp_group import run_tp_group
+from tests import rank_cases_adapters
+from tests.harness.tp_group import run_tp_group
+from tests.rank_cases_adapters import skewed_ids
 
 VOCAB, HIDDEN = 1000, 64
 
@@ -139,7 +141,7 @@ def test_head_with_other_local_rows_than_its_shard_is_rejected(single_rank):
 def test_head_shards_on_real_tp_and_attn_tp_groups():
     """tp 4 with 2 DP-attention ranks and --enable-dp-lm-head: tp and attn_tp groups both exist."""
     results = run_tp_group(
-        "tests.rank_cases_adapters:head_shard_cases",
+        rank_cases_adapters.head_shard_cases,
         4,
         {"vocab": VOCAB, "hidden": HIDDEN},
         server_args={"enable_dp_attention": True, "dp_size": 2, "enable_dp_lm_head": True},
@@ -212,3 +214,25 @@ def test_tied_draft_is_rejected(perm, tmp_path):
     message = str(info.value)
     assert "ties its LM head to its input embeddings (tie_word_embeddings" in message
     assert "Use an untied EAGLE draft, or drop --speculative-token-map" in message
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_building_the_hot_head_stays_within_its_memory_budget(tp):
+    """Peak extra memory of building (and refreshing) the head <= the head + one chunk, under a
+    skewed map at TP 2/4/8 (the old one-shot exchange held tp x max-owned rows at once), and the
+    head holds exactly the reference rows."""
+    vocab, hidden, num_hot, chunk = 128256, 256, 32768, 2 << 20
+    hot = skewed_ids(vocab, num_hot)
+    payload = {"vocab": vocab, "hidden": hidden, "map": hot, "chunk_bytes": chunk}
+    results = run_tp_group(rank_cases_adapters.head_build_memory, tp, payload, timeout=600)
+    owned = [sum(s <= i < e for i in hot) for s, e in vocab_shard_ranges(vocab, tp)]
+    assert max(owned) > 1.5 * num_hot / tp  # the map is skewed: the case the budget is about
+    slack = 256 << 10  # the plan's masks over the hot ids (a few bytes per hot id)
+    for r, result in enumerate(results):
+        assert [result[layout]["owned"] for layout in ("local", "balanced")] == [owned[r]] * 2
+        for layout in ("local", "balanced"):
+            got = result[layout]
+            assert got["exact"], (r, layout)
+            assert got["build"] <= got["head_bytes"] + chunk + slack, (r, layout, got)
+            assert got["refresh"] <= chunk + slack, (r, layout, got)

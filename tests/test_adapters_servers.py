@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
-from sglang_frspec.testing.server import SGLangServer
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
+from sglang_frspec.demo.server import SGLangServer
 from tests.test_servers_plugin import generate_chains
 
 pytestmark = [pytest.mark.server, pytest.mark.multirank]

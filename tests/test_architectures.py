@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_frspec.testing.greedy import compare_greedy, reference_greedy
+from tests.harness.greedy import compare_greedy, reference_greedy
 from tests.test_servers_plugin import assert_plugin_active, num_hot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

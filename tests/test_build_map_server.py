@@ -24,8 +24,8 @@ import torch
 
 from sglang_frspec.cli import main
 from sglang_frspec.core import read_token_map
+from sglang_frspec.demo.server import free_port
 from sglang_frspec.maps import MapBuildError, TokenCounts, rebuild_token_map
-from sglang_frspec.testing.server import free_port
 from tests.conftest import fixture_server
 from tests.test_maps import cli, reference_counts, reference_ranking
 

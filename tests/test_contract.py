@@ -27,7 +27,7 @@ from sglang_frspec.adapters.contract_check import (
     problems,
 )
 from sglang_frspec.adapters.hooks import HOOKS, hook_target
-from sglang_frspec.testing.cpu import cpu_env
+from sglang_frspec.demo.cpu import cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 SITE = Path(importlib.util.find_spec("sglang").origin).parent.parent  # the folder holding sglang/

@@ -25,8 +25,8 @@ from sglang_frspec.core.options import (
     FrSpecOptions,
     set_options,
 )
+from sglang_frspec.demo.server import plugin_activity
 from sglang_frspec.maps.counts_file import TokenCounts
-from sglang_frspec.testing.server import plugin_activity
 
 VOCAB = 1000
 

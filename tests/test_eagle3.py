@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_frspec.testing.cpu import eagle_args
-from sglang_frspec.testing.eagle3_fixture import eagle3_draft
+from sglang_frspec.demo.cpu import eagle_args
+from tests.harness.eagle3_fixture import eagle3_draft
 
 pytestmark = pytest.mark.server
 NEW = 24

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sglang_frspec.testing.cpu import cpu_env
-from sglang_frspec.testing.engine import run_engine
+from sglang_frspec.demo.cpu import cpu_env
+from tests.harness.engine import run_engine
 
 pytestmark = pytest.mark.server
 NEW = 24

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from sglang_frspec.core import canonical_hot_ids, vocab_shard_ranges
-from sglang_frspec.testing.tp_group import run_tp_group
+from tests import rank_cases
+from tests.harness.tp_group import run_tp_group
 
 pytestmark = pytest.mark.multirank
 
@@ -91,7 +92,7 @@ def _check_group(results: list[dict], tp: int, dtype: str, maps: dict[str, list[
 def test_hot_logits_match_single_rank_reference(tp):
     maps = _maps(tp)
     results = run_tp_group(
-        "tests.rank_cases:hot_logits",
+        rank_cases.hot_logits,
         tp,
         {
             "vocab": VOCAB,
@@ -111,7 +112,7 @@ def test_hot_logits_match_single_rank_reference(tp):
 
 def test_hot_logits_bf16_and_idle_rows():
     results = run_tp_group(
-        "tests.rank_cases:hot_logits",
+        rank_cases.hot_logits,
         2,
         {
             "vocab": VOCAB,
@@ -126,7 +127,7 @@ def test_hot_logits_bf16_and_idle_rows():
     )
     _check_group(results, 2, "bfloat16", _maps(2))
     idle = run_tp_group(
-        "tests.rank_cases:hot_logits",
+        rank_cases.hot_logits,
         2,
         {
             "vocab": VOCAB,
@@ -144,7 +145,7 @@ def test_hot_logits_bf16_and_idle_rows():
 
 def test_ranks_with_different_maps_fail_together_naming_both_digests():
     maps = [list(range(10, 200)), list(range(10, 201))]
-    errors = run_tp_group("tests.rank_cases:agree", 2, {"vocab": VOCAB, "maps": maps})
+    errors = run_tp_group(rank_cases.agree, 2, {"vocab": VOCAB, "maps": maps})
     digests = [canonical_hot_ids(torch.tensor(m), VOCAB).digest[:16] for m in maps]
     for error in errors:
         assert "different token maps" in error
@@ -153,7 +154,7 @@ def test_ranks_with_different_maps_fail_together_naming_both_digests():
 
 def test_one_rank_with_a_bad_map_fails_every_rank():
     maps = [list(range(10, 200)), [5, VOCAB + 7]]
-    errors = run_tp_group("tests.rank_cases:agree", 2, {"vocab": VOCAB, "maps": maps})
+    errors = run_tp_group(rank_cases.agree, 2, {"vocab": VOCAB, "maps": maps})
     for error in errors:
         assert "TP rank 1 of 2" in error and f">= the target's vocab size {VOCAB}" in error
 
@@ -162,7 +163,7 @@ def test_dp_lm_head_shards_over_the_attention_tp_group():
     """tp=4 with 2 DP-attention ranks and --enable-dp-lm-head: attention-TP groups of 2."""
     hot = _maps(2)["skewed"]
     results = run_tp_group(
-        "tests.rank_cases:dp_lm_head_logits",
+        rank_cases.dp_lm_head_logits,
         4,
         {"vocab": VOCAB, "hidden": HIDDEN, "map": hot},
         server_args={"enable_dp_attention": True, "dp_size": 2, "enable_dp_lm_head": True},
@@ -183,7 +184,7 @@ def test_dp_attention_without_dp_lm_head_gathers_rows_over_the_tp_group(rows_per
     across DP ranks for the head, and each rank gets back the hot logits of its own rows."""
     hot = _maps(4)["skewed"]
     results = run_tp_group(
-        "tests.rank_cases:dp_attention_logits",
+        rank_cases.dp_attention_logits,
         4,
         {"vocab": VOCAB, "hidden": HIDDEN, "map": hot, "rows_per_dp_rank": rows_per_dp_rank},
         server_args={"enable_dp_attention": True, "dp_size": 2},
@@ -211,7 +212,7 @@ def test_degenerate_rows_give_every_rank_the_same_in_range_picks():
     ids = [0, 5, 9, 17, 40, 41, 300, ranges[1][0] + 3]  # rank 1 holds 1 < TOPK hot ids (local)
     finite_ids = [0, 9]  # row 3: 2 < TOPK finite logits, one of them hot column 0
     results = run_tp_group(
-        "tests.rank_cases:degenerate_rows",
+        rank_cases.degenerate_rows,
         2,
         {"vocab": VOCAB, "hidden": HIDDEN, "topk": TOPK, "ids": ids, "finite_ids": finite_ids},
     )

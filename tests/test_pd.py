@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_frspec.testing.tp_group import run_tp_group
+from tests import rank_cases_pd
+from tests.harness.tp_group import run_tp_group
 
 pytestmark = pytest.mark.multirank
 
@@ -24,7 +25,7 @@ PD_NODE = {"disaggregation_mode": "decode", "speculative_algorithm": "EAGLE", "s
 
 def _node(perm, plugin: bool, steps: list) -> list[dict]:
     payload = {"file_ids": FILE_IDS, "vocab": VOCAB, "plugin": plugin, "steps": steps}
-    (answers,) = run_tp_group("tests.rank_cases_pd:pd_node", 1, payload,
+    (answers,) = run_tp_group(rank_cases_pd.pd_node, 1, payload,
                               server_args=PD_NODE | {"speculative_draft_model_path": perm.draft})  # fmt: skip
     return answers
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from sglang_frspec.core import vocab_shard_ranges
-from sglang_frspec.testing.fixtures import quant_config_fixture
-from sglang_frspec.testing.server import plugin_activity
-from sglang_frspec.testing.tp_group import run_tp_group
+from sglang_frspec.demo.server import plugin_activity
+from tests import rank_cases_quantized
 from tests.conftest import fixture_server
+from tests.harness.fixtures import quant_config_fixture
+from tests.harness.tp_group import run_tp_group
 from tests.rank_cases_quantized import fp8_checkpoint, modelopt_fp8_head, quant_config
 from tests.test_adapters_head import single_rank  # noqa: F401 (the fixture, used by name)
 from tests.test_servers_plugin import num_hot
@@ -67,7 +68,7 @@ def test_heads_left_unquantized_by_each_quant_config_give_exact_hot_logits_at_tp
         "map": hot_map,
         "cases": cases,
     }
-    results = run_tp_group("tests.rank_cases_quantized:excluded_head_logits", 2, payload)
+    results = run_tp_group(rank_cases_quantized.excluded_head_logits, 2, payload)
     for name, _, _, method in EXCLUDED_HEAD_CASES:
         cases = [r[name] for r in results]
         assert [c["method"] for c in cases] == [method] * 2, name
@@ -126,7 +127,7 @@ def test_modelopt_fp8_head_hot_rows_are_dequantized(tp):
     split = vocab_shard_ranges(VOCAB, 2)[1][0]
     hot_map = [0, split - 1, split, VOCAB - 1, *torch.randperm(VOCAB, generator=gen)[:200].tolist()]
     payload = {"vocab": VOCAB, "hidden": HIDDEN, "rows": ROWS, "map": hot_map}
-    results = run_tp_group("tests.rank_cases_quantized:fp8_head_cases", tp, payload)
+    results = run_tp_group(rank_cases_quantized.fp8_head_cases, tp, payload)
     _, _, dequantized = fp8_checkpoint(VOCAB, HIDDEN, seed=0)
     _, _, new_dequantized = fp8_checkpoint(VOCAB, HIDDEN, seed=2)
     hot = torch.tensor(sorted(set(hot_map)))

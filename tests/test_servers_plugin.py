@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from sglang_frspec.testing.fixtures import random_fixture
-from sglang_frspec.testing.greedy import compare_greedy
-from sglang_frspec.testing.server import plugin_activity
+from sglang_frspec.demo.server import plugin_activity
+from tests.harness.fixtures import random_fixture
+from tests.harness.greedy import compare_greedy
 
 pytestmark = pytest.mark.server
 NEW = 24
@@ -92,7 +93,7 @@ def test_plugin_matches_stock_tp1(perm, start_server):
 
 def test_tp2_random_weights_match_plain_decoding(start_server):
     """Random weights (no structure to lean on): EAGLE + map at TP=2 decodes as plain greedy,
-    up to near-ties of the target's top-2 logits (see sglang_frspec.testing.greedy)."""
+    up to near-ties of the target's top-2 logits (see tests.harness.greedy)."""
     fixture = random_fixture()
     prompts = [[5, 77, 1203], [31000, 17], [9, 9, 9, 9, 12000]]
     plain = start_server(fixture, 2, eagle=False)
@@ -140,3 +141,48 @@ def test_tp2_chunked_prefill_and_retracted_requests(perm, start_server):
     assert "KV cache pool is full. Retract requests." in server.log()
     # After its first token (made by the prefill) each verify step commits 2 drafts and a bonus.
     assert [out["meta_info"]["spec_verify_ct"] for out in outs] == [-(-(new - 1) // 3)] * len(outs)
+
+
+def _expected_accept_length(new_tokens: int, drafts_accepted: bool) -> float:
+    """Accept length of one greedy request on the permutation fixture, from first principles.
+
+    The prefill gives the first token; each verify step then gives steps + 1 = 3 tokens when
+    every draft is right (a chain in the hot set), or 1 when none is (a cold chain: the drafts
+    are hot ids, the target's next token is cold). SGLang reports completion tokens / verify steps.
+    """
+    per_step = 3 if drafts_accepted else 1
+    return new_tokens / -(-(new_tokens - 1) // per_step)
+
+
+def test_32_concurrent_mixed_requests_match_plain_decoding(perm, start_server):
+    """Per request at TP=2: plain greedy's tokens, and the accept length of the first-principles
+    count. Batches differ between runs (32 concurrent requests), but on this fixture every greedy
+    and draft choice has a margin of several logits, far above any batch-shape rounding, so each
+    request's drafts, hence its accept length, depend on that request alone."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = []
+    for i in range(32):
+        if i % 3 == 2:  # random tokens: the chain then runs through cold ids the map lacks
+            prompts.append(torch.randint(3, perm.vocab_size, (5 + i,), generator=gen).tolist())
+        else:
+            start = (i * 13) % 200
+            prompts.append(list(perm.chain[start : start + 3 + i]))
+    new_tokens = [8 + (i * 7) % 41 for i in range(32)]
+    hot = set(torch.load(perm.token_map("hot")).tolist())
+
+    def run_all(server) -> tuple[list, list]:
+        with ThreadPoolExecutor(32) as pool:
+            futures = [pool.submit(server.generate, p, n) for p, n in zip(prompts, new_tokens)]
+            outs = [f.result() for f in futures]
+        return [o["output_ids"] for o in outs], [o["meta_info"].get("spec_accept_length") for o in outs]
+
+    plain = start_server(perm, 2, eagle=False)
+    expected, _ = run_all(plain)
+    plain.stop()
+    assert [len(e) for e in expected] == new_tokens  # nothing dropped or cut short
+    server = start_server(perm, 2, perm.token_map("hot"))
+    outputs, accept = run_all(server)
+    assert outputs == expected
+    # The fixture's chains stay in (or out of) the hot set, so the prompt's last token decides.
+    assert accept == [_expected_accept_length(n, p[-1] in hot) for p, n in zip(prompts, new_tokens)]
+    assert {p[-1] in hot for p in prompts} == {True, False}  # both kinds of request are present

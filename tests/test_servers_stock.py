@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_frspec.testing.server import ServerError
+from sglang_frspec.demo.server import ServerError
 
 pytestmark = [pytest.mark.server, pytest.mark.stock]
 NEW = 24

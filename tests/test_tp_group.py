@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_frspec.testing.tp_group import run_tp_group
+from tests import rank_cases
+from tests.harness.tp_group import run_tp_group
 
 pytestmark = pytest.mark.multirank
 
@@ -14,4 +15,4 @@ def test_ranks_still_rendezvousing_when_rank0_returns_do_not_lose_the_store():
     still creating groups through the store failed with ``DistNetworkError`` ("Connection reset
     by peer" or "Broken pipe"): the flaky TP=4 failure inside ``initialize_model_parallel``, where
     rank 0 leaves the last groups' rendezvous early. Every rank now waits for the others."""
-    assert run_tp_group("tests.rank_cases:store_after_rank0_returns", 3, {"delay": 8.0}) == [0, 1, 2]
+    assert run_tp_group(rank_cases.store_after_rank0_returns, 3, {"delay": 8.0}) == [0, 1, 2]

@@ -13,11 +13,12 @@ import torch.nn.functional as F
 
 from sglang_frspec.cli import main
 from sglang_frspec.core.options import COUNTS_ENV
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
+from sglang_frspec.demo.server import SGLangServer
 from sglang_frspec.maps.sizing import acceptance_rate, chain_accept_length
-from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
-from sglang_frspec.testing.greedy import compare_greedy
-from sglang_frspec.testing.server import SGLangServer
-from sglang_frspec.testing.trained import EVAL_TOKENS, SEQ, stdlib_texts, trained_fixture
+from tests.harness.greedy import compare_greedy
+from tests.harness.trained import EVAL_TOKENS, SEQ, stdlib_texts, trained_fixture
+from tests.harness.zygote import forked_launch
 from tests.test_servers_plugin import assert_plugin_active, num_hot
 
 NEW = 32
@@ -45,7 +46,7 @@ def stock_tp1(trained, prompts, tmp_path_factory):
         args += eagle_args(trained.draft, trained.token_map(f"code_{size}"))
         log = tmp_path_factory.mktemp("stock") / f"code_{size}.log"
         env = cpu_env(1, with_plugin=False, base=dict(os.environ))
-        with SGLangServer(args, env, log, forked=True) as server:
+        with SGLangServer(args, env, log, launch=forked_launch) as server:
             outs = server.generate(prompts, NEW)
             assert "sglang-frspec:" not in server.log()
         results[size] = (

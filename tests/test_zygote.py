@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from sglang_frspec.testing.server import kill_tree
-from sglang_frspec.testing.zygote import fork_module, zygote_for
+from sglang_frspec.demo.server import kill_tree
+from tests.harness.zygote import fork_module, zygote_for
 
 CHILD = """
 import json, os, sys, time

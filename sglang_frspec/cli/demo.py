@@ -16,9 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_frspec.testing.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
-from sglang_frspec.testing.fixtures import LLAMA3_VOCAB, perm_fixture
-from sglang_frspec.testing.server import SGLangServer
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
+from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture
+from sglang_frspec.demo.server import SGLangServer
 
 TEXT_PROMPTS = [
     "The capital of France is",

@@ -1,5 +1,7 @@
-"""Bad inputs and unsupported setups fail clearly and fast; serving stays correct under load
-and across weight updates. Every case runs a real server start-up or a real SGLang object."""
+"""Bad inputs and unsupported setups fail clearly, before serving: bad maps and unsupported
+combinations in the launcher (before any model loads), heads and drafts the plugin cannot serve
+at start-up on every rank, and the argument-time cases that behave as stock does. Every case runs
+a real server start-up, SGLang's own argument resolution or a real SGLang object."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from sglang_frspec.testing.cpu import cpu_env
-from sglang_frspec.testing.server import ServerError
+from sglang_frspec.demo.cpu import cpu_env
+from sglang_frspec.demo.server import ServerError
+from tests import rank_cases_adapters
 from tests.conftest import fixture_server
+from tests.harness.tp_group import run_tp_group
+from tests.rank_cases_adapters import skewed_ids
 
-pytestmark = pytest.mark.server
 # Argument-time failures exit from the launcher before any scheduler starts or model loads:
 # the time is Python start-up plus importing SGLang. Measured 29-32 s for a new Python on the
 # 2-core machine at a load average of 13-17 (several engineers' tests at once); a launcher forked
@@ -111,27 +115,32 @@ def _rejected_at_argument_time(exits: dict, case: str, message: str) -> None:
     assert LOAD_WEIGHTS not in log  # rejected at argument time: no model was loaded
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("case", sorted(BAD_MAPS))
 def test_bad_map_fails_fast_before_device_work(argument_time_exits, case):
     _rejected_at_argument_time(argument_time_exits, f"map {case}", BAD_MAPS[case][1])
     assert f"{case}.pt" in argument_time_exits[f"map {case}"][1]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(("extra", "message"), UNSUPPORTED)
 def test_unsupported_combinations_are_rejected_at_argument_time(argument_time_exits, extra, message):
     _rejected_at_argument_time(argument_time_exits, f"args {' '.join(extra)}", message)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("name", sorted(ADAPT_REFUSED))
 def test_adaptation_it_cannot_serve_is_refused_at_argument_time(argument_time_exits, name):
     _rejected_at_argument_time(argument_time_exits, f"adapt {name}", ADAPT_REFUSED[name][2])
 
 
+@pytest.mark.server
 def test_rejection_sampling_with_a_map_fails_at_argument_time(argument_time_exits):
     message = "--speculative-token-map cannot be combined with --speculative-use-rejection-sampling"
     _rejected_at_argument_time(argument_time_exits, "rejection sampling", message)
 
 
+@pytest.mark.server
 def test_tied_draft_fails_on_every_rank(perm, start_server, tmp_path):
     """Found only once the draft is loaded: every rank raises together; the server exits."""
     draft = tmp_path / "tied-eagle"
@@ -200,85 +209,128 @@ with get_parallel().override(tp_rank=0, tp_size=1):
     )
 
 
-def _expected_accept_length(new_tokens: int, drafts_accepted: bool) -> float:
-    """Accept length of one greedy request on the permutation fixture, from first principles.
-
-    The prefill gives the first token; each verify step then gives steps + 1 = 3 tokens when
-    every draft is right (a chain in the hot set), or 1 when none is (a cold chain: the drafts
-    are hot ids, the target's next token is cold). SGLang reports completion tokens / verify steps.
-    """
-    per_step = 3 if drafts_accepted else 1
-    return new_tokens / -(-(new_tokens - 1) // per_step)
+@pytest.mark.multirank
+def test_processor_refuses_a_head_that_is_not_the_hot_head():
+    payload = {"vocab": 5003, "hidden": 32, "map": skewed_ids(5003, 700)}
+    for message in run_tp_group(rank_cases_adapters.head_guard, 2, payload, timeout=300):
+        assert "passed an LM head of shape (2528, 32)" in message
+        assert "not this rank's hot head (350 rows)" in message
 
 
-def test_32_concurrent_mixed_requests_match_plain_decoding(perm, start_server):
-    """Per request at TP=2: plain greedy's tokens, and the accept length of the first-principles
-    count. Batches differ between runs (32 concurrent requests), but on this fixture every greedy
-    and draft choice has a margin of several logits, far above any batch-shape rounding, so each
-    request's drafts, hence its accept length, depend on that request alone."""
-    gen = torch.Generator().manual_seed(7)
-    prompts = []
-    for i in range(32):
-        if i % 3 == 2:  # random tokens: the chain then runs through cold ids the map lacks
-            prompts.append(torch.randint(3, perm.vocab_size, (5 + i,), generator=gen).tolist())
-        else:
-            start = (i * 13) % 200
-            prompts.append(list(perm.chain[start : start + 3 + i]))
-    new_tokens = [8 + (i * 7) % 41 for i in range(32)]
-    hot = set(torch.load(perm.token_map("hot")).tolist())
-
-    def run_all(server) -> tuple[list, list]:
-        with ThreadPoolExecutor(32) as pool:
-            futures = [pool.submit(server.generate, p, n) for p, n in zip(prompts, new_tokens)]
-            outs = [f.result() for f in futures]
-        return [o["output_ids"] for o in outs], [o["meta_info"].get("spec_accept_length") for o in outs]
-
-    plain = start_server(perm, 2, eagle=False)
-    expected, _ = run_all(plain)
-    plain.stop()
-    assert [len(e) for e in expected] == new_tokens  # nothing dropped or cut short
-    server = start_server(perm, 2, perm.token_map("hot"))
-    outputs, accept = run_all(server)
-    assert outputs == expected
-    # The fixture's chains stay in (or out of) the hot set, so the prompt's last token decides.
-    assert accept == [_expected_accept_length(n, p[-1] in hot) for p, n in zip(prompts, new_tokens)]
-    assert {p[-1] in hot for p in prompts} == {True, False}  # both kinds of request are present
+KEEPS_OWN_HEAD_DRAFT = '''
+from sglang.srt.models.llama_eagle import LlamaForCausalLMEagle
 
 
-def _permuted_target(perm, tmp_path) -> tuple[str, dict[int, int]]:
-    """A copy of the target whose head rows are permuted inside the hot set: greedy becomes
-    x -> tau^-1(pi(x)), still inside the hot set. Returns its path and that greedy step on every
-    hot id (pi on the hot set is the fixture's two chains, which wrap around both hot cycles)."""
-    from safetensors.torch import load_file, save_file
+class KeepsOwnHeadLlamaEagle(LlamaForCausalLMEagle):
+    """Like step3p5_mtp: set_embed_and_head keeps the draft's own (full-vocab) head."""
 
-    target = tmp_path / "target-b"
-    shutil.copytree(perm.target, target)
-    tensors = load_file(str(target / "model.safetensors"))
-    hot = torch.load(perm.token_map("hot"))
-    tau = hot[torch.randperm(hot.numel(), generator=torch.Generator().manual_seed(3))]
-    head = tensors["lm_head.weight"]
-    head[hot] = head[tau].clone()  # head'[hot[i]] = head[tau[i]]
-    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
-    # Greedy picks the row that was head[pi(x)], now at hot[i] where tau[i] == pi(x).
-    tau_inverse = {int(t): int(h) for h, t in zip(hot, tau)}
-    pi = {a: b for chain in (perm.chain, perm.low_chain) for a, b in zip(chain, chain[1:])}
-    assert set(pi) == set(hot.tolist())  # the chains cover the hot set
-    return str(target), {x: tau_inverse[pi[x]] for x in pi}
+    def set_embed_and_head(self, embed, head):
+        return
 
 
-def test_weight_update_refreshes_the_hot_head(perm, start_server, tmp_path):
-    new_target, new_step = _permuted_target(perm, tmp_path)
-    prompt = list(perm.chain[:3])
-    new_greedy = [new_step[prompt[-1]]]
-    while len(new_greedy) < 24:
-        new_greedy.append(new_step[new_greedy[-1]])
-    assert new_greedy != list(perm.chain[3:27])  # the update really changes the model
+EntryClass = KeepsOwnHeadLlamaEagle
+'''
 
-    server = start_server(perm, 2, perm.token_map("hot"))
-    assert server.generate(prompt, 24)["meta_info"]["spec_accept_length"] == 3.0
-    update = server.post("/update_weights_from_disk", {"model_path": new_target})
-    assert update["success"], update
-    out = server.generate(prompt, 24)
-    assert out["output_ids"] == new_greedy
-    # A stale hot head would still draft the old pi(x) and almost never be accepted.
-    assert out["meta_info"]["spec_accept_length"] == 3.0
+
+@pytest.mark.server
+def test_draft_that_keeps_its_own_head_fails_on_every_rank(perm, start_server, tmp_path):
+    """A draft whose set_embed_and_head ignores the hot head (stock would crash or, at TP=1,
+    silently read columns 0..H-1): every rank fails at start-up naming the draft class."""
+    package = tmp_path / "site" / "frspec_test_models"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "keeps_own_head.py").write_text(KEEPS_OWN_HEAD_DRAFT)
+    draft = tmp_path / "keeps-own-head-eagle"
+    shutil.copytree(perm.draft, draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps(config | {"architectures": ["KeepsOwnHeadLlamaEagle"]}))
+    env = {  # SGLang's own way to add model classes from a package
+        "SGLANG_EXTERNAL_MODEL_PACKAGE": "frspec_test_models",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(package.parent), os.environ.get("PYTHONPATH")])),
+    }
+    server = start_server(perm, 2, perm.token_map("hot"), wait=False, env=env,
+                          extra=("--speculative-draft-model-path", str(draft)))  # fmt: skip
+    assert server.wait_exit(180) != 0  # found after the weights load, as the tied draft
+    log = server.log_path.read_text()
+    assert (
+        "the draft model KeepsOwnHeadLlamaEagle keeps its own LM head (lm_head) after set_embed_and_head()"
+        in log
+    )
+    # Raised after the ranks' agreement, which every rank joins with its own check.
+    assert "[sglang-frspec, TP rank 0 of 2] the draft model KeepsOwnHeadLlamaEagle" in log
+
+
+# Argument-time cases that behave as stock does, in SGLang's own resolution.
+RESOLVE = """
+import json, logging, sys
+messages = []
+class Collect(logging.Handler):
+    def emit(self, record):
+        messages.append(record.getMessage())
+logging.basicConfig(level=logging.WARNING, handlers=[Collect()])
+from sglang.srt.plugins import load_plugins
+load_plugins()  # as the launcher does: this plugin (SGLANG_PLUGINS) registers and applies its hooks
+from sglang.srt.server_args import ServerArgs
+for fields in json.loads(sys.argv[1]):
+    messages.clear()
+    args = ServerArgs(**fields)
+    try:
+        args.resolve_once()
+        result = f"RESOLVED {args.speculative_algorithm}"
+    except Exception as e:
+        result = f"ERROR {type(e).__name__} {e}"
+    print("CASE", json.dumps([result, messages]))
+"""
+EAGLE = {"speculative_algorithm": "EAGLE"}
+REJECTION_SAMPLING = EAGLE | {"speculative_use_rejection_sampling": True, "speculative_eagle_topk": 1,
+                              "speculative_num_steps": 2, "speculative_num_draft_tokens": 3}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def resolved(perm, tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
+    """SGLang's real argument resolution (with this plugin registered) of every case below, in
+    one child process: {case: (RESOLVED <algorithm> or ERROR <type> <message>, logged messages)}."""
+    tmp_path = tmp_path_factory.mktemp("resolve")
+    maps = {"hot": perm.token_map("hot")}
+    torch.save(torch.arange(perm.vocab_size), tmp_path / "whole.pt")
+    maps["whole"] = str(tmp_path / "whole.pt")
+    cases = {
+        "no algorithm": ("hot", {}),
+        "frozen kv mtp": ("hot", {"speculative_algorithm": "FROZEN_KV_MTP"}),
+        "rejection sampling": ("hot", REJECTION_SAMPLING),
+        "rejection sampling, whole vocab": ("whole", REJECTION_SAMPLING),
+    }
+    fields = [
+        {"model_path": perm.target, "device": "cpu", "tp_size": 2, "speculative_token_map": maps[name]}
+        | ({"speculative_draft_model_path": perm.draft} if extra else {})
+        | extra
+        for name, extra in cases.values()
+    ]
+    out = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(fields)], env=cpu_env(2),
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = [json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("CASE ")]
+    assert len(results) == len(cases), out.stdout[-3000:]
+    return {case: (result, messages) for case, (result, messages) in zip(cases, results)}
+
+
+def test_map_without_an_algorithm_is_ignored_as_in_stock(resolved):
+    result, messages = resolved["no algorithm"]
+    assert result == "RESOLVED None"
+    assert any(
+        m.startswith("--speculative-token-map is ignored without --speculative-algorithm.") for m in messages
+    )
+
+
+def test_map_with_frozen_kv_mtp_is_ignored_as_in_stock(resolved):
+    result, messages = resolved["frozen kv mtp"]
+    assert result == "RESOLVED FROZEN_KV_MTP"
+    assert any(m.startswith("--speculative-token-map is ignored for FROZEN_KV_MTP") for m in messages)
+
+
+def test_rejection_sampling_with_a_map_is_refused_at_resolution(resolved):
+    """Even a map holding the whole vocab (which passes upstream's after-load guard)."""
+    for case in ("rejection sampling", "rejection sampling, whole vocab"):
+        result, _ = resolved[case]
+        assert result.startswith("ERROR UnsupportedSetupError --speculative-token-map cannot be combined "
+                                 "with --speculative-use-rejection-sampling"), (case, result)  # fmt: skip

@@ -1,15 +1,16 @@
 """Run a function on every rank of a real SGLang TP group (gloo, SGLang's own distributed init).
 
-``run_tp_group("pkg.module:function", tp_size, payload)`` starts ``tp_size`` processes, each of
+``run_tp_group(function, tp_size, payload)`` starts ``tp_size`` processes, each of
 which publishes ``ServerArgs(device="cpu", tp_size=...)``, calls SGLang's
 ``init_distributed_environment`` (gloo) and ``initialize_model_parallel``, then calls
-``function(payload)`` and sends back its (picklable) return value. A rank that raises or a group
+``function(payload)`` (a module-level function, imported by its module's name) and sends back its
+(picklable) return value. A rank that raises or a group
 that outlives the timeout fails the call with every rank's traceback and the order in which the
 ranks exited; all ranks are killed, so a rank stuck in a collective never hangs the caller. A rank
 whose function returned waits for the others before it exits: rank 0's process serves the group's
 TCPStore, which ranks still creating groups (or running their function) may need.
 
-The ranks are forked from a zygote (``sglang_frspec.testing.zygote``) that has imported SGLang's
+The ranks are forked from a zygote (``tests.harness.zygote``) that has imported SGLang's
 distributed and server-args modules once for this environment, so a group does not pay an
 SGLang import per rank.
 """
@@ -22,11 +23,13 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from sglang_frspec.testing.cpu import cpu_env
-from sglang_frspec.testing.server import free_port, kill_tree
-from sglang_frspec.testing.zygote import fork_module
+from sglang_frspec.demo.cpu import cpu_env
+from sglang_frspec.demo.server import free_port, kill_tree
+from tests.harness.zygote import fork_module
 
 PORT_RETRIES = 3
 PORT_TAKEN = "EADDRINUSE"  # torch's TCPStore: "... name: EADDRINUSE, message: address already in use"
@@ -37,7 +40,7 @@ RANK_PRELOAD = (
     "sglang.srt.layers.vocab_parallel_embedding",
     "sglang.srt.runtime_context",
     "sglang.srt.server_args",
-    "sglang_frspec.testing.fixtures",
+    "sglang_frspec.demo.fixtures",
 )
 
 
@@ -50,7 +53,7 @@ class TPGroupError(RuntimeError):
 
 
 def run_tp_group(
-    target: str,
+    function: Callable[[Any], Any],
     tp_size: int,
     payload=None,
     *,
@@ -58,13 +61,18 @@ def run_tp_group(
     server_args: dict | None = None,
     env: dict | None = None,
 ) -> list:
-    """Run ``target`` ("module:function") on ``tp_size`` ranks; returns results in rank order.
+    """Run ``function`` on ``tp_size`` ranks; returns results in rank order.
 
     ``server_args`` adds ServerArgs fields (e.g. dp attention settings) for every rank; ``env``
     adds variables to this process's environment. A group whose rendezvous port was taken by
     another process between picking and binding it (the error names EADDRINUSE) runs again on
     a fresh port, as ``SGLangServer`` does.
     """
+    if "." in function.__qualname__ or function.__module__ == "__main__":
+        raise ValueError(
+            f"{function.__qualname__}: ranks import it by name, so it must be a module-level function"
+        )
+    target = f"{function.__module__}:{function.__qualname__}"
     run_env = cpu_env(tp_size, base=os.environ | (env or {}))
     retries = PORT_RETRIES
     while True:
@@ -137,7 +145,7 @@ def _init_rank(rank: int, tp_size: int, port: int, extra_args: dict) -> None:
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_frspec.testing.fixtures import perm_fixture
+    from sglang_frspec.demo.fixtures import perm_fixture
 
     args = ServerArgs(
         model_path=perm_fixture().target,

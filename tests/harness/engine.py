@@ -2,7 +2,7 @@
 
 A crashing scheduler makes SGLang SIGKILL the process that owns the Engine, so the Engine always
 lives in a child: ``run_engine(engine_kwargs, steps, env)`` starts
-``python -m sglang_frspec.testing.engine``, which builds the Engine, runs each step in order and
+``python -m tests.harness.engine``, which builds the Engine, runs each step in order and
 prints one JSON line of results. A step is ``{"generate": {input_ids, sampling_params}}`` or
 ``{"update_lm_head": path}`` (load a tensor saved with torch.save and pass it to
 ``Engine.update_weights_from_tensor`` as ``lm_head.weight``).
@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 
-from sglang_frspec.testing.server import ServerError, kill_tree
+from sglang_frspec.demo.server import ServerError, kill_tree
 
 _RESULT = "FRSPEC_ENGINE_RESULT "
 

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from sglang_frspec.testing.fixtures import (
+from sglang_frspec.demo.fixtures import (
     PermFixture,
-    _llama_config,
     cache_root,
     cached_build,
+    llama_config,
     source_digest,
 )
 
@@ -112,7 +112,7 @@ def _build_eagle3(path: Path, fixture: PermFixture, draft_vocab_size: int, seed:
     draft_ids = (attn @ lm_head.T).argmax(-1)
     assert torch.equal(ids[draft_ids], pi[x]), "draft copy path is not pi"
 
-    cfg = _llama_config("LlamaForCausalLMEagle3", vocab, hidden, 1, inter, heads)
+    cfg = llama_config("LlamaForCausalLMEagle3", vocab, hidden, 1, inter, heads)
     cfg |= {
         "draft_vocab_size": draft_vocab_size,
         "target_hidden_size": hidden,

@@ -13,9 +13,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-
-from sglang_frspec.testing.zygote import ForkedProcess, fork_module
+from typing import Protocol
 
 # SGLang's warmup thread logs this last. With --skip-server-warmup it still POSTs /freeze_gc (a
 # 10 s read timeout) after /health turns 200; waiting for this line keeps test requests from
@@ -91,23 +91,42 @@ def kill_tree(pid: int, grace: float = 10.0, *, graceful: bool = True) -> None:
 
 
 LAUNCHER = "sglang.launch_server"
-# What the launcher imports before it loads plugins (sglang 0.5.23 launch_server.py): a forked
-# launcher loads them, and imports everything after, itself, as a fresh one does.
-LAUNCHER_PRELOAD = (
-    "sglang.srt.arg_groups.overrides",
-    "sglang.srt.plugins",
-    "sglang.srt.server_args",
-    "sglang.srt.utils",
-    "sglang.srt.utils.common",
-)
+
+
+class Process(Protocol):
+    """What a server needs of its launcher's process (``subprocess.Popen`` has it)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+# launch(env, args, log_path) runs ``python -m sglang.launch_server *args`` with ``env``, its
+# output appended to ``log_path``, in a session of its own (``stop`` kills that process group).
+Launch = Callable[[dict, list[str], Path], Process]
+
+
+def new_python(env: dict, args: list[str], log_path: Path) -> subprocess.Popen:
+    """The launcher in a new Python."""
+    with open(log_path, "a") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", LAUNCHER, *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 class SGLangServer:
     """One ``sglang.launch_server`` process tree on a free loopback port.
 
-    Use as a context manager; ``log_path`` keeps the server's stdout and stderr. ``forked``
-    runs the launcher as a child of a zygote (``sglang_frspec.testing.zygote``) that has made
-    the launcher's first imports for this environment, instead of a new Python.
+    Use as a context manager; ``log_path`` keeps the server's stdout and stderr. ``launch``
+    starts the launcher process (a new Python by default; the tests fork it from a Python that
+    has already imported SGLang).
     """
 
     def __init__(
@@ -117,15 +136,15 @@ class SGLangServer:
         log_path: str | Path,
         ready_timeout: float = 420.0,
         *,
-        forked: bool = False,
+        launch: Launch = new_python,
     ):
         self.args = list(args)
         self.env = env
-        self.forked = forked
+        self.launch = launch
         self.log_path = Path(log_path)
         self.ready_timeout = ready_timeout
         self.port = free_port()
-        self.proc: subprocess.Popen | ForkedProcess | None = None
+        self.proc: Process | None = None
         level = args[args.index("--log-level") + 1] if "--log-level" in args else "info"
         self.logs_ready_line = level.lower() in ("debug", "info")
 
@@ -135,17 +154,9 @@ class SGLangServer:
 
     def start(self) -> SGLangServer:
         args = [*self.args, "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd = [sys.executable, "-m", LAUNCHER, *args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "w") as log:
-            log.write(("$ (forked) " if self.forked else "$ ") + " ".join(cmd) + "\n")
-            log.flush()
-            if self.forked:
-                self.proc = fork_module(self.env, LAUNCHER_PRELOAD, LAUNCHER, args, self.log_path)
-            else:
-                self.proc = subprocess.Popen(
-                    cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
+        self.log_path.write_text(f"$ ({self.launch.__name__}) python -m {LAUNCHER} {' '.join(args)}\n")
+        self.proc = self.launch(self.env, args, self.log_path)
         return self
 
     def wait_ready(self) -> SGLangServer:

@@ -10,6 +10,7 @@ is a new process that is as if started from scratch and paused after those impor
 session, SGLang state and ``multiprocessing`` children; only the import work is shared.
 ``ForkedProcess`` answers ``pid``, ``poll``, ``wait``, ``send_signal`` and ``returncode`` as
 ``subprocess.Popen`` does (the zygote reaps its children and records their exit status).
+``forked_launch`` is an ``SGLangServer`` launch that forks the server's launcher this way.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import threading
 import time
 from pathlib import Path
 
+from sglang_frspec.demo.server import LAUNCHER
+
+REPO = Path(__file__).resolve().parents[2]
 MAX_ZYGOTES = 6  # each holds an imported SGLang (~0.5 GB); the least recently used goes beyond this
 # Left out of a zygote's environment: pytest changes it at every test phase, and no child reads it.
 PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
@@ -34,6 +38,17 @@ PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
 # when a rank starts, sglang 0.5.23 plugins/__init__.py, utils/numa_utils.py; this plugin reads its
 # SGLANG_FRSPEC_* options in FrSpecOptions.from_env). Prefixes end with "_".
 LATE_VARIABLES = ("SGLANG_PLUGINS", "SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_FRSPEC_")
+
+
+# What the launcher imports before it loads plugins (sglang 0.5.23 launch_server.py): a forked
+# launcher loads them, and imports everything after, itself, as a fresh one does.
+LAUNCHER_PRELOAD = (
+    "sglang.srt.arg_groups.overrides",
+    "sglang.srt.plugins",
+    "sglang.srt.server_args",
+    "sglang.srt.utils",
+    "sglang.srt.utils.common",
+)
 
 
 def _is_late(name: str) -> bool:
@@ -78,6 +93,10 @@ class Zygote:
         self._tmp = tempfile.TemporaryDirectory(prefix="frspec-zygote-")
         self._dir = Path(self._tmp.name)
         self.log_path = self._dir / "zygote.log"
+        # This module and the modules it forks (tests.*) are found from the repository root.
+        path = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+        if str(REPO) not in path:
+            env = env | {"PYTHONPATH": os.pathsep.join([str(REPO), *path])}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, *preload],
@@ -125,6 +144,11 @@ def fork_module(
     late = {k: v for k, v in env.items() if _is_late(k)}
     early = {k: v for k, v in env.items() if k not in late}
     return zygote_for(early, preload).run_module(module, args, log, late)
+
+
+def forked_launch(env: dict, args: list[str], log_path: Path) -> ForkedProcess:
+    """An ``SGLangServer`` launch: the server's launcher forked from the zygote of ``env``."""
+    return fork_module(env, LAUNCHER_PRELOAD, LAUNCHER, args, log_path)
 
 
 def zygote_for(env: dict, preload: tuple[str, ...]) -> Zygote:

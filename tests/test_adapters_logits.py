@@ -1,13 +1,15 @@
-"""The draft logits processor fills SGLang's draft-extend logits buffer (sized from
-len(hot_token_id)) on a real gloo TP group, with the values of the single-rank reference."""
+"""The draft logits processor on a real gloo TP group: equal to SGLang's own LogitsProcessor over
+the full head (its hot columns) in every config branch, and filling SGLang's draft-extend logits
+buffer (sized from len(hot_token_id)) with the values of the single-rank reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sglang_frspec.testing.tp_group import run_tp_group
-from tests.rank_cases_adapters import hidden_rows
+from tests import rank_cases_adapters
+from tests.harness.tp_group import run_tp_group
+from tests.rank_cases_adapters import hidden_rows, skewed_ids
 
 pytestmark = pytest.mark.multirank
 
@@ -26,7 +28,7 @@ def _map() -> list[int]:
 def test_draft_extend_logits_land_in_the_hot_width_buffer(tp, dtype):
     ids = _map()
     results = run_tp_group(
-        "tests.rank_cases_adapters:draft_extend_buffer_logits",
+        rank_cases_adapters.draft_extend_buffer_logits,
         tp,
         {
             "vocab": VOCAB,
@@ -83,3 +85,38 @@ def test_draft_extend_logits_land_in_the_hot_width_buffer(tp, dtype):
                 )  # rtol: one bf16 step
             tolerance = {"rtol": 1e-4, "atol": 1e-6} if dtype == "float32" else {"rtol": 0.05, "atol": 0.02}
             torch.testing.assert_close(got_p, want_p, **tolerance, msg=str(key))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_draft_logits_equal_sglangs_logits_processor(dtype):
+    """Every config branch of the head computation, against SGLang's LogitsProcessor over the
+    full target head (its hot columns), on the same inputs: full exchange bit-identical, top-k
+    exchange with the identical top-k values and ids."""
+    vocab, hidden, topk = 5003, 48, 4
+    variants = {
+        "plain": {},
+        "fp32_head": {"config": {"enable_lm_head_fp32": True}},
+        "fp32_output": {"config": {"enable_lm_head_output_fp32": True}},
+        "logit_scale": {"logit_scale": 0.37},
+        "softcap": {"config": {"final_logit_softcapping": 20.0}},
+        "softcap_fp32_head": {"config": {"final_logit_softcapping": 20.0, "enable_lm_head_fp32": True}},
+    }
+    payload = {"vocab": vocab, "hidden": hidden, "dtype": dtype, "rows": 5, "scale": 1.5, "topk": topk,
+               "map": skewed_ids(vocab, 600), "variants": variants}  # fmt: skip
+    results = run_tp_group(rank_cases_adapters.logits_vs_stock, 2, payload, timeout=300)
+    for name in variants:
+        stock = results[0][name]["stock"]
+        assert stock.dtype == torch.float32
+        if "softcap" in name:  # the cap really bites, without saturating into ties
+            assert stock.abs().max() < 20.0 and (stock - results[0]["plain"]["stock"]).abs().max() > 0.5
+        for layout in ("local", "balanced"):
+            assert torch.equal(results[0][name][layout, "full"], stock), (name, layout)
+            assert torch.equal(results[1][name][layout, "full"], stock), (name, layout)
+            got = results[0][name][layout, "topk"]
+            want_values, want_ids = stock.topk(topk, dim=1)
+            got_values, got_ids = got.topk(topk, dim=1)
+            assert torch.equal(got_values, want_values) and torch.equal(got_ids, want_ids), (name, layout)
+            torch.testing.assert_close(
+                torch.softmax(got, 1).gather(1, got_ids), torch.softmax(stock, 1).gather(1, want_ids),
+                rtol=1e-5, atol=1e-7,
+            )  # fmt: skip

@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sglang_frspec.testing.fixtures import (
+from sglang_frspec.demo.fixtures import (
     ModelFixture,
-    _llama_config,
     cache_root,
     cached_build,
+    llama_config,
     save_model,
     source_digest,
 )
@@ -52,7 +52,7 @@ PROSE_MAP_SIZE = 128
 HELD_OUT_EVERY = 8  # code file i is held out when i % 8 == 7
 PROMPT_TOKENS = 32  # prompts are this many tokens of held-out text
 
-BUILDER_DIGEST = source_digest(__name__, "sglang_frspec.testing.fixtures")
+BUILDER_DIGEST = source_digest(__name__, "sglang_frspec.demo.fixtures")
 
 
 @dataclass(frozen=True)
@@ -358,7 +358,7 @@ def _build(root: Path, texts: tuple[list[str], ...]) -> None:
         raise RuntimeError(
             f"trained target is not clearly better than unigram ({held_loss:.3f} vs {unigram:.3f})"
         )
-    cfg = _llama_config("LlamaForCausalLM", VOCAB, HIDDEN, LAYERS, INTER, HEADS)
+    cfg = llama_config("LlamaForCausalLM", VOCAB, HIDDEN, LAYERS, INTER, HEADS)
     save_model(target_dir, target, cfg)
     tokenizer.save_pretrained(str(target_dir))
     _check_against_transformers(target_dir, target, held_stream[:64])
@@ -375,7 +375,7 @@ def _build(root: Path, texts: tuple[list[str], ...]) -> None:
         "embed_tokens.weight": target["model.embed_tokens.weight"],
         "lm_head.weight": target["lm_head.weight"],
     }
-    save_model(draft_dir, draft, _llama_config("LlamaForCausalLMEagle", VOCAB, HIDDEN, 1, INTER, HEADS))
+    save_model(draft_dir, draft, llama_config("LlamaForCausalLMEagle", VOCAB, HIDDEN, 1, INTER, HEADS))
 
     corpus = root / "corpus"
     corpus.mkdir()

@@ -1,4 +1,0 @@
-"""Test support: CPU environment, tiny fixtures, real-server and real-TP-group harnesses.
-
-Used by the tests, the benchmarks and ``sglang-frspec demo``; never by the plugin at serve time.
-"""
