@@ -10,6 +10,7 @@ import torch
 
 from sglang_frspec.core.options import ADAPT_ENV, ADAPT_INTERVAL_ENV, COUNTS_ENV, LAYOUT_ENV
 from tests.test_coverage import simulated_verify, wait_for
+from tests.test_weight_updates import permuted_target
 
 pytestmark = pytest.mark.server
 START, NEW, SAME_REQUESTS = 0, 40, 4
@@ -51,3 +52,58 @@ def test_the_map_takes_in_the_committed_tokens_it_missed(perm, start_server, tmp
     decisions = DECISION.findall(log)
     assert decisions and all((h, w) == start_addresses for _, h, w in decisions)  # in place
     assert sum(int(n) for n, _, _ in decisions) >= len(committed - original)
+
+
+def _verify_steps(output_ids: list[int], hot: set[int], steps: int = 2) -> int:
+    """Verify steps of one greedy request on a permutation model (drafts share the target's
+    head): a step accepts the leading tokens still to come that the map holds (at most ``steps``)
+    and commits the next one; the prefill gave the first token."""
+    tokens, i, count = output_ids[1:], 0, 0
+    while i < len(tokens):
+        drafted = 0
+        while drafted < steps and i + drafted < len(tokens) and tokens[i + drafted] in hot:
+            drafted += 1
+        i += drafted + 1
+        count += 1
+    return count
+
+
+def test_a_weight_update_while_adapting_refreshes_the_current_set(perm, start_server, tmp_path):
+    """TP=2: swaps happen, then /update_weights_from_disk loads a target whose head rows are
+    permuted inside the fixture's hot set (a new greedy path). The refresh must rebuild the
+    hot head for the ids the map holds now (not the start-up ones) from the new weights, and
+    later swaps must read new rows: once the map holds the new path, a request verifies in as
+    many steps as a simulation of that map gives. A head left stale, or rebuilt for the
+    start-up ids, drafts other tokens and takes more steps."""
+    counts_path = tmp_path / "served.counts.pt"
+    adapted_path = f"{counts_path}.map.pt"
+    token_map = perm.token_map("hot_half")
+    env = {ADAPT_ENV: "1", ADAPT_INTERVAL_ENV: "1", LAYOUT_ENV: "local", COUNTS_ENV: str(counts_path)}
+    server = start_server(perm, 2, token_map, env=env)
+    prompt = list(perm.chain[START : START + 3])
+    server.generate([prompt] * SAME_REQUESTS, NEW)
+    assert DECISION.findall(server.log())  # swaps happened before the update
+    new_target, new_step = permuted_target(perm, tmp_path)
+    update = server.post("/update_weights_from_disk", {"model_path": new_target})
+    assert update["success"], update
+    expected = [new_step[prompt[-1]]]
+    while len(expected) < NEW:
+        expected.append(new_step[expected[-1]])
+    for _ in range(4):  # serve the new path until a batch makes no decision: the map has settled
+        decisions = len(DECISION.findall(server.log()))
+        mtime = os.path.getmtime(adapted_path) if os.path.exists(adapted_path) else 0.0
+        outs = server.generate([prompt] * SAME_REQUESTS, NEW)  # one commit a step is below the margin
+        assert [out["output_ids"] for out in outs] == [expected] * SAME_REQUESTS
+        if len(DECISION.findall(server.log())) == decisions:
+            break
+    else:
+        pytest.fail("the map still changed at every batch")
+    wait_for(lambda: os.path.exists(adapted_path) and os.path.getmtime(adapted_path) > mtime)
+    settled = set(torch.load(adapted_path).tolist())
+    assert set(expected[1:]) <= settled  # the new path is in the map (all of it: H/4 swaps allowed)
+    assert [out["meta_info"]["spec_verify_ct"] for out in outs] == [
+        _verify_steps(expected, settled)
+    ] * SAME_REQUESTS
+    assert _verify_steps(expected, settled) < _verify_steps(expected, set(torch.load(token_map).tolist()))
+    (start_addresses,) = ADDRESSES.findall(server.log())
+    assert all((h, w) == start_addresses for _, h, w in DECISION.findall(server.log()))
