@@ -31,44 +31,21 @@ import tomllib
 REPO = Path(__file__).resolve().parent.parent
 KIT = REPO / "gpu-kit"
 SGLANG_VERSION = "0.5.23"
-# What `import sglang.launch_server` and the server's CUDA path need and the device lacks (its
-# package list: /work/.library/device/KINDS.md), at the versions `pip install sglang==0.5.23`
-# resolves here (tests/test_gpu_kit.py checks them against the installed ones). Installed there
-# with --no-deps: these are import-time needs, not SGLang's whole dependency tree.
-DEPENDENCIES = (
-    "annotated-types==0.8.0",
-    "apache-tvm-ffi==0.1.11",
-    "cffi==2.1.1",
-    "compressed-tensors==0.18.0",
-    "dill==0.4.1",
-    "distro==1.9.0",
-    "fastapi==0.165.0",
-    "gguf==0.19.0",
-    "ipython==9.18.1",
-    "jsonschema==4.26.0",
-    "jsonschema-specifications==2025.9.1",
-    "loguru==0.7.3",
-    "msgspec==0.23.0",
-    "openai==2.8.0",
-    "opentelemetry-api==1.45.2",
-    "orjson==3.13.0",
-    "partial_json_parser==0.2.1.1.post7",
-    "pybase64==1.5.1",
-    "pydantic==2.14.4",
-    "pydantic_core==2.50.5",
-    "python-multipart==0.0.34",  # FastAPI needs it when the server defines its form routes
-    "pyzmq==27.3.0",
-    "referencing==0.37.0",
-    "rpds-py==2026.9.1",
-    "setproctitle==1.3.8",
-    "sniffio==1.3.1",
-    "soundfile==0.13.1",  # imported by the transcription route
-    "starlette==1.10.0",
-    "traitlets==5.16.1",
-    "typing-inspection==0.4.5",
-    "uvicorn==0.54.0",
-    "xgrammar==0.2.7",
-)
+CONSTRAINTS = REPO / "constraints.txt"
+KIT_PINS = "# GPU kit:"  # the line in constraints.txt after which the kit's pins are listed
+
+
+def kit_dependencies() -> tuple[str, ...]:
+    """What `import sglang.launch_server` and the server's CUDA path need and the device lacks (its
+    package list: /work/.library/device/KINDS.md): the pins after constraints.txt's GPU-kit line,
+    which the tests' environment is installed with too (tests/test_gpu_kit.py checks them against
+    the installed versions). Installed there with --no-deps: import-time needs, not SGLang's tree."""
+    lines = CONSTRAINTS.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(KIT_PINS))
+    return tuple(pin for line in lines[start + 1 :] if (pin := line.split("#")[0].strip()))
+
+
+DEPENDENCIES = kit_dependencies()
 # pip matches each manylinux_2_N tag exactly, so every glibc level a wheel may be built for is
 # listed; the device's glibc (Ubuntu 24.04's Python 3.12.3) is newer than all of them.
 PLATFORMS = ("manylinux1_x86_64", "manylinux2014_x86_64") + tuple(
