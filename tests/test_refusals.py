@@ -74,7 +74,7 @@ ADAPT_REFUSED = {  # name: (extra args, env, message)
                     "follows the counts of the committed tokens"),
 }  # fmt: skip
 # Upstream refuses a map only after the weights load (and lets a whole-vocab map through).
-REJECTION_SAMPLING = ["--speculative-use-rejection-sampling", "--speculative-eagle-topk", "1",
+REJECTION_SAMPLING_ARGS = ["--speculative-use-rejection-sampling", "--speculative-eagle-topk", "1",
                       "--speculative-num-draft-tokens", "3"]  # fmt: skip
 
 
@@ -86,7 +86,7 @@ def argument_time_exits(perm, tmp_path_factory) -> dict[str, tuple[int | None, s
     tmp_path = tmp_path_factory.mktemp("argument-time")
     cases = {f"map {case}": (_write_map(tmp_path, case), [], {}) for case in BAD_MAPS}
     cases |= {f"args {' '.join(extra)}": (perm.token_map("hot"), extra, {}) for extra, _ in UNSUPPORTED}
-    cases["rejection sampling"] = (perm.token_map("hot"), REJECTION_SAMPLING, {})
+    cases["rejection sampling"] = (perm.token_map("hot"), REJECTION_SAMPLING_ARGS, {})
     cases |= {
         f"adapt {name}": (perm.token_map("hot"), extra, env)
         for name, (extra, env, _) in ADAPT_REFUSED.items()
@@ -282,7 +282,7 @@ for fields in json.loads(sys.argv[1]):
     print("CASE", json.dumps([result, messages]))
 """
 EAGLE = {"speculative_algorithm": "EAGLE"}
-REJECTION_SAMPLING = EAGLE | {"speculative_use_rejection_sampling": True, "speculative_eagle_topk": 1,
+REJECTION_SAMPLING_FIELDS = EAGLE | {"speculative_use_rejection_sampling": True, "speculative_eagle_topk": 1,
                               "speculative_num_steps": 2, "speculative_num_draft_tokens": 3}  # fmt: skip
 
 
@@ -297,8 +297,8 @@ def resolved(perm, tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
     cases = {
         "no algorithm": ("hot", {}),
         "frozen kv mtp": ("hot", {"speculative_algorithm": "FROZEN_KV_MTP"}),
-        "rejection sampling": ("hot", REJECTION_SAMPLING),
-        "rejection sampling, whole vocab": ("whole", REJECTION_SAMPLING),
+        "rejection sampling": ("hot", REJECTION_SAMPLING_FIELDS),
+        "rejection sampling, whole vocab": ("whole", REJECTION_SAMPLING_FIELDS),
     }
     fields = [
         {"model_path": perm.target, "device": "cpu", "tp_size": 2, "speculative_token_map": maps[name]}
