@@ -115,13 +115,15 @@ def test_bench_acceptance_smoke(tmp_path):
 
 @pytest.mark.server
 def test_bench_adaptive_smoke(tmp_path):
-    """Issue 26's benchmark end to end on the trained fixture: four servers, three phases, tiny sizes."""
-    out = run("bench_adaptive.py", "--requests-per-phase", "4", "--batch", "2", "--interval", "2",
+    """Issue 26's benchmark end to end on the trained fixture: two adaptive servers (two intervals)
+    beside the three others, three phases, tiny sizes."""
+    out = run("bench_adaptive.py", "--requests-per-phase", "4", "--batch", "2", "--interval", "2", "3",
               "--max-new-tokens", "8", "--json", str(tmp_path / "ad.json"),
               "--plot", str(tmp_path / "ad.png"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     data = json.loads((tmp_path / "ad.json").read_text())
-    servers = ["static prose_128", "adaptive from prose_128", "static code_128", "EAGLE, no map"]
+    adaptive = ["adaptive/2 from prose_128", "adaptive/3 from prose_128"]
+    servers = ["static prose_128", *adaptive, "static code_128", "EAGLE, no map"]
     assert [(r["phase"], r["domain"], r["server"]) for r in data["phases"]] == [
         (phase, domain, server)
         for phase, domain in enumerate(("code", "prose", "code"), 1)
@@ -130,9 +132,12 @@ def test_bench_adaptive_smoke(tmp_path):
     assert all(r["equals_no_map"] != "NO" for r in data["phases"])
     assert all(1.0 <= r["accept_length"] <= 4.0 for r in data["phases"])
     assert len(data["batches"]) == 6 and all(set(b["servers"]) == set(servers) for b in data["batches"])
-    adaptation = data["adaptation"]
-    # Code traffic on a prose map commits ids the map lacks: the first decisions swap them in.
-    assert adaptation["decisions"] >= adaptation["decisions_that_swapped"] >= 1
-    assert adaptation["ids_swapped"] >= 1 and adaptation["decision_ms_mean"] > 0
-    assert [p["phase"] for p in data["goals"]["phases"]] == [1, 2, 3]
+    assert list(data["adaptation"]) == adaptive and list(data["goals"]) == adaptive
+    for name, interval in zip(adaptive, (2, 3)):
+        adaptation = data["adaptation"][name]
+        assert adaptation["interval"] == interval
+        # Code traffic on a prose map commits ids the map lacks: the first decisions swap them in.
+        assert adaptation["decisions"] >= adaptation["decisions_that_swapped"] >= 1
+        assert adaptation["ids_swapped"] >= 1 and adaptation["decision_ms_mean"] > 0
+        assert [p["phase"] for p in data["goals"][name]["phases"]] == [1, 2, 3]
     assert (tmp_path / "ad.png").stat().st_size > 10_000
