@@ -105,3 +105,36 @@ def test_late_variables_reach_the_child_and_share_one_zygote(tmp_path):
     # Both preloaded the marker in one process, neither child itself: one zygote.
     assert reports["local"]["loaded_at"] == reports["balanced"]["loaded_at"]
     assert reports["local"]["loaded_at"] not in (reports["local"]["pid"], reports["balanced"]["pid"])
+
+
+SPAWNER = """
+import json, multiprocessing as mp, sys
+
+
+def report(queue):
+    import preloaded_marker
+    queue.put({"method": mp.get_start_method(), "inherited": "already_imported" in sys.modules})
+
+
+if __name__ == "__main__":
+    import already_imported  # noqa: F401
+    mp.set_start_method("spawn", force=True)  # as SGLang's launcher does
+    queue = mp.Queue()
+    process = mp.Process(target=report, args=(queue,))
+    process.start()
+    print(json.dumps(queue.get(timeout=60)), flush=True)
+    process.join()
+"""
+
+
+@pytest.mark.parametrize("fork_children", [False, True])
+def test_fork_children_starts_multiprocessing_children_by_fork_despite_spawn(zygote, tmp_path, fork_children):
+    """With ``fork_children`` a launcher's children are forked from it (they inherit its imports);
+    without, they are spawned as the module asks (a new Python, nothing inherited)."""
+    (tmp_path / "zygote_spawner.py").write_text(SPAWNER)
+    (tmp_path / "already_imported.py").write_text("")
+    log = tmp_path / "spawner.log"
+    child = zygote.run_module("zygote_spawner", [], log, {}, fork_children=fork_children)
+    assert child.wait(timeout=120) == 0, log.read_text()
+    report = _report(log)
+    assert report == {"method": "fork" if fork_children else "spawn", "inherited": fork_children}

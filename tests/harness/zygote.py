@@ -7,7 +7,8 @@ and waits, then forks it: the child runs ``python -m module *args`` (``runpy``, 
 in a session of its own, ``log`` as its stdout and stderr, with exactly ``env`` (a few variables
 that no preloaded module reads at import, ``LATE_VARIABLES``, are set after the fork). The child
 is a new process that is as if started from scratch and paused after those imports: its own pid,
-session, SGLang state and ``multiprocessing`` children; only the import work is shared.
+session, SGLang state and ``multiprocessing`` children; only the import work is shared (and, for
+a server's launcher, its schedulers fork from it: ``_fork_multiprocessing_children``).
 ``ForkedProcess`` answers ``pid``, ``poll``, ``wait``, ``send_signal`` and ``returncode`` as
 ``subprocess.Popen`` does (the zygote reaps its children and records their exit status).
 ``forked_launch`` is an ``SGLangServer`` launch that forks the server's launcher this way.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
 import os
 import runpy
 import signal
@@ -109,14 +111,17 @@ class Zygote:
         self._lock = threading.Lock()
         self._forks = 0
 
-    def run_module(self, module: str, args: list[str], log: Path, late_env: dict) -> ForkedProcess:
+    def run_module(
+        self, module: str, args: list[str], log: Path, late_env: dict, fork_children: bool = False
+    ) -> ForkedProcess:
         """Fork ``python -m module *args``, appending its output to ``log``; ``late_env`` (only
-        ``LATE_VARIABLES``) is added to the child's environment."""
+        ``LATE_VARIABLES``) is added to the child's environment; ``fork_children``: see
+        ``_fork_multiprocessing_children``."""
         with self._lock:
             self._forks += 1
             status = self._dir / f"status{self._forks}"
             request = {"module": module, "args": list(args), "log": str(log), "status": str(status),
-                       "late_env": late_env}  # fmt: skip
+                       "late_env": late_env, "fork_children": fork_children}  # fmt: skip
             try:
                 self.proc.stdin.write(json.dumps(request) + "\n")
                 self.proc.stdin.flush()
@@ -137,18 +142,24 @@ _zygotes_lock = threading.Lock()
 
 
 def fork_module(
-    env: dict, preload: tuple[str, ...], module: str, args: list[str], log: Path
+    env: dict,
+    preload: tuple[str, ...],
+    module: str,
+    args: list[str],
+    log: Path,
+    fork_children: bool = False,
 ) -> ForkedProcess:
     """``python -m module *args`` with ``env`` (less ``PER_TEST_VARIABLES``), forked from the
     zygote of that environment (less ``LATE_VARIABLES``) and ``preload``."""
     late = {k: v for k, v in env.items() if _is_late(k)}
     early = {k: v for k, v in env.items() if k not in late}
-    return zygote_for(early, preload).run_module(module, args, log, late)
+    return zygote_for(early, preload).run_module(module, args, log, late, fork_children)
 
 
 def forked_launch(env: dict, args: list[str], log_path: Path) -> ForkedProcess:
-    """An ``SGLangServer`` launch: the server's launcher forked from the zygote of ``env``."""
-    return fork_module(env, LAUNCHER_PRELOAD, LAUNCHER, args, log_path)
+    """An ``SGLangServer`` launch: the server's launcher forked from the zygote of ``env``, its
+    schedulers forked from the launcher (``_fork_multiprocessing_children``)."""
+    return fork_module(env, LAUNCHER_PRELOAD, LAUNCHER, args, log_path, fork_children=True)
 
 
 def zygote_for(env: dict, preload: tuple[str, ...]) -> Zygote:
@@ -217,9 +228,26 @@ def _run_child(request: dict) -> None:
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.close(log)
     os.environ.update(request["late_env"])  # absent from the zygote's environment: see LATE_VARIABLES
+    if request["fork_children"]:
+        _fork_multiprocessing_children()
     sys.argv = [request["module"], *request["args"]]  # run_module sets argv[0] to the module's file
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     sys.exit(0)
+
+
+def _fork_multiprocessing_children() -> None:
+    """Start ``multiprocessing`` children by fork, whatever start method the module then sets.
+
+    SGLang sets spawn (sglang 0.5.23 entrypoints/engine.py, ``mp.set_start_method("spawn",
+    force=True)``), so every scheduler and the detokenizer re-import torch and SGLang: about 30 s
+    of this 2-core machine per server start, most of a server test. Forked, they begin with the
+    launcher's imports and run the same code. What a fork inherits and a spawn would redo is the
+    plugin's registration, done by ``load_plugins`` in the launcher (idempotent: the scheduler's
+    own call finds it done); the real spawn path is what ``sglang-frspec demo`` and the tests
+    that launch a new Python (``launch=new_python``) run, with schedulers that load the plugin
+    themselves."""
+    multiprocessing.set_start_method("fork", force=True)
+    multiprocessing.set_start_method = lambda method=None, force=False: None
 
 
 if __name__ == "__main__":
