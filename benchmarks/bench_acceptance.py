@@ -3,7 +3,9 @@
 The trained fixture (``tests.harness.trained``: a 32k-vocab BPE Llama trained on the
 Python standard library's code, and an EAGLE draft trained on its hidden states) is served by real
 CPU SGLang servers. Prompts are held-out code (the training domain) and held-out prose from the
-language reference (another domain). For each TP size every configuration runs as its own server:
+language reference (another domain); their launchers and schedulers are forked from a zygote, as
+the test servers' are (``tests.harness.zygote``). For each TP size every configuration runs as its
+own server:
 plain greedy decoding, EAGLE without a map, EAGLE + each map (this plugin; balanced/full) and, at
 TP > 1, the other layouts and exchanges on one map. Timed batches are interleaved round-robin
 across the servers alive at a time (the two references stay alive throughout; the others come in
@@ -34,6 +36,7 @@ from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa:
 from sglang_frspec.demo.server import SGLangServer  # noqa: E402
 from tests.harness.greedy import compare_greedy  # noqa: E402
 from tests.harness.trained import MAP_SIZES, PROSE_MAP_SIZE, trained_fixture  # noqa: E402
+from tests.harness.zygote import forked_launch  # noqa: E402
 
 PLAIN, NO_MAP = "plain greedy", "EAGLE, no map"
 DOMAINS = ("code", "prose")
@@ -102,7 +105,7 @@ def start(config: Config, fixture, args, log_dir: Path) -> SGLangServer:
     env = cpu_env(config.tp, with_plugin=True, base=os.environ | options)
     name = f"tp{config.tp}-{config.name.replace(' ', '_').replace('/', '-')}.log"
     print(f"starting tp={config.tp} {config.name} ...", flush=True)
-    server = SGLangServer(cli, env, log_dir / name).start().wait_ready()
+    server = SGLangServer(cli, env, log_dir / name, launch=forked_launch).start().wait_ready()
     server.suspend()  # idle schedulers poll: the next server would start (and run) next to them
     return server
 
