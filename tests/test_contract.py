@@ -17,6 +17,7 @@ import pytest
 import tomllib
 from packaging.requirements import Requirement
 
+from scripts.gpu_kit import KIT_PINS
 from sglang_frspec.adapters import contract
 from sglang_frspec.adapters.contract_check import (
     Contains,
@@ -36,7 +37,7 @@ INSTALLED = importlib.metadata.version("sglang")
 
 def _pins() -> dict[str, str]:
     """constraints.txt's own pins, above the GPU kit's (tests/test_gpu_kit.py checks those)."""
-    text = (REPO / "constraints.txt").read_text().split("\n# GPU kit:")[0]
+    text = (REPO / "constraints.txt").read_text().split(f"\n{KIT_PINS}")[0]
     return dict(line.split("==") for line in text.splitlines() if line and not line.startswith("#"))
 
 

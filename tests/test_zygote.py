@@ -112,7 +112,6 @@ import json, multiprocessing as mp, sys
 
 
 def report(queue):
-    import preloaded_marker
     queue.put({"method": mp.get_start_method(), "inherited": "already_imported" in sys.modules})
 
 

@@ -243,9 +243,9 @@ def _fork_multiprocessing_children() -> None:
     of this 2-core machine per server start, most of a server test. Forked, they begin with the
     launcher's imports and run the same code. What a fork inherits and a spawn would redo is the
     plugin's registration, done by ``load_plugins`` in the launcher (idempotent: the scheduler's
-    own call finds it done); the real spawn path is what ``sglang-frspec demo`` and the tests
-    that launch a new Python (``launch=new_python``) run, with schedulers that load the plugin
-    themselves."""
+    own call finds it done); the real spawn path, with schedulers that load the plugin themselves,
+    is what the CPU demo (``test_cli.py::test_demo_main_job``) and the benchmarks that launch a new
+    Python (``SGLangServer``'s default launch) run."""
     multiprocessing.set_start_method("fork", force=True)
     multiprocessing.set_start_method = lambda method=None, force=False: None
 
