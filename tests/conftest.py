@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,9 @@ def perm_llama3():
 
 
 _SERVERS_KEY = pytest.StashKey[list]()
+# Every server the fixtures made, with the test that made it: the session's closing summary
+# reports their start-up times (where a server test's time goes; docs/testing.md).
+_SERVERS_MADE: list[tuple[str, SGLangServer]] = []
 
 
 def fixture_server(
@@ -101,7 +106,9 @@ def fixture_server(
         args += eagle_args(fixture.draft, token_map)
     args += list(extra)
     env = cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {}))
-    return SGLangServer(args, env, log_path, launch=launch)
+    server = SGLangServer(args, env, log_path, launch=launch)
+    _SERVERS_MADE.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], server))
+    return server
 
 
 @pytest.fixture
@@ -137,3 +144,27 @@ def pytest_runtest_makereport(item, call):
             tail = server.log_path.read_text(errors="replace").splitlines()[-80:]
             report.sections.append((f"server {i} log ({server.log_path})", "\n".join(tail)))
     return report
+
+
+_SESSION_START = time.monotonic()
+_ITEM_SECONDS: defaultdict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _ITEM_SECONDS[report.nodeid] += report.duration  # setup + call + teardown
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite's budget at a glance: total time, the ten slowest tests (setup, call and
+    teardown together) and the server start-ups (docs/testing.md says how to read them)."""
+    write = terminalreporter.write_line
+    terminalreporter.section("time budget")
+    write(f"pytest wall time {time.monotonic() - _SESSION_START:.0f} s over {len(_ITEM_SECONDS)} tests")
+    for nodeid, seconds in sorted(_ITEM_SECONDS.items(), key=lambda kv: -kv[1])[:10]:
+        write(f"{seconds:8.1f} s  {nodeid}")
+    starts = [(test, s.ready_after) for test, s in _SERVERS_MADE if s.ready_after is not None]
+    if starts:
+        total = sum(seconds for _, seconds in starts)
+        write(f"server start-ups: {len(starts)}, {total:.0f} s, {total / len(starts):.1f} s on average")
+        for test, seconds in sorted(starts, key=lambda ts: -ts[1])[:5]:
+            write(f"{seconds:8.1f} s  start-up in {test}")

@@ -145,6 +145,8 @@ class SGLangServer:
         self.ready_timeout = ready_timeout
         self.port = free_port()
         self.proc: Process | None = None
+        self.started_at: float | None = None
+        self.ready_after: float | None = None  # seconds from start() to ready, once ready
         level = args[args.index("--log-level") + 1] if "--log-level" in args else "info"
         self.logs_ready_line = level.lower() in ("debug", "info")
 
@@ -156,6 +158,7 @@ class SGLangServer:
         args = [*self.args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.write_text(f"$ ({self.launch.__name__}) python -m {LAUNCHER} {' '.join(args)}\n")
+        self.started_at = time.monotonic()
         self.proc = self.launch(self.env, args, self.log_path)
         return self
 
@@ -186,6 +189,7 @@ class SGLangServer:
                 except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                     pass
             if healthy and (not self.logs_ready_line or READY_LINE in self.log()):
+                self.ready_after = time.monotonic() - self.started_at
                 return self
             time.sleep(0.25)
         raise ServerError(
