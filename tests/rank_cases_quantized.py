@@ -90,18 +90,44 @@ def modelopt_fp8_head(vocab: int, hidden: int, quantized: torch.Tensor, scale: t
     return head
 
 
-def fp8_checkpoint(vocab: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(float8 weight, per-tensor scale, its dequantization) quantized here, independently of SGLang."""
-    weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed)) * 0.05
+def fp8_checkpoint(
+    vocab: int, hidden: int, seed: int, per_row: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float8 weight, scale, its dequantization) quantized here, independently of SGLang: one
+    per-tensor scale, or with ``per_row`` one scale per row ([vocab, 1]), every row at its own
+    magnitude so that no two rows share a scale (a reader taking another row's scale is caught)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, hidden, generator=gen) * 0.05
     scale = weight.abs().max() / torch.finfo(torch.float8_e4m3fn).max
+    if per_row:  # row r scaled by a distinct factor in [0.1, 10.1), its scale with it
+        factor = 0.1 + 10 * torch.randperm(vocab, generator=gen).unsqueeze(1) / vocab
+        weight, scale = weight * factor, scale * factor
     quantized = (weight / scale).to(torch.float8_e4m3fn)
     return quantized, scale, quantized.float() * scale
+
+
+def store_fp8_shard(head, rows: tuple[int, int], quantized: torch.Tensor, scale: torch.Tensor) -> None:
+    """Write vocab rows ``rows`` of a checkpoint into a loaded head in SGLang's stored layout
+    (transposed weight), as an in-place weight update does. A per-row ``scale`` becomes the
+    head's one-scale-per-row ``weight_scale`` ([rows per rank, 1], as convert_to_channelwise
+    stores it); its padding rows keep scale 1."""
+    start, end = rows
+    head.weight.data[:, : end - start].copy_(quantized[start:end].t())
+    if scale.numel() == 1:
+        head.weight_scale.data.copy_(scale)
+        return
+    if head.weight_scale.numel() == 1:
+        head.weight_scale = torch.nn.Parameter(
+            torch.ones(head.num_embeddings_per_partition, 1), requires_grad=False
+        )
+    head.weight_scale.data[: end - start].copy_(scale[start:end])
 
 
 def fp8_head_cases(payload: dict) -> dict:
     """A quantized ModelOpt FP8 head on this rank: its stored layout, whether the plugin accepts it,
     and per layout its hot head in float32 and bfloat16, the draft logits (float32 head and
-    hidden states) and the hot head after the target's weights change in place and it refreshes."""
+    hidden states) and the hot head after the target's weights change in place and it refreshes.
+    ``payload["per_row"]``: the head holds one distinct scale per row (``store_fp8_shard``)."""
     from transformers import LlamaConfig
 
     from sglang_frspec.adapters.head import build_hot_head, check_head_supported, describe_head_shard
@@ -111,11 +137,14 @@ def fp8_head_cases(payload: dict) -> dict:
     from sglang_frspec.core.options import FrSpecOptions
     from tests.rank_cases import _draft_head
 
-    vocab, hidden = payload["vocab"], payload["hidden"]
-    quantized, scale, _ = fp8_checkpoint(vocab, hidden, seed=0)
-    head = modelopt_fp8_head(vocab, hidden, quantized, scale)
-    check_head_supported(head)
+    vocab, hidden, per_row = payload["vocab"], payload["hidden"], payload.get("per_row", False)
+    head = modelopt_fp8_head(vocab, hidden, *fp8_checkpoint(vocab, hidden, seed=0)[:2])
     shard = describe_head_shard(head)
+    rows = shard.shard_ranges[shard.rank]
+    quantized, scale, _ = fp8_checkpoint(vocab, hidden, seed=0, per_row=per_row)
+    if per_row:  # SGLang loads a ModelOpt head per tensor; the per-row checkpoint goes in place
+        store_fp8_shard(head, rows, quantized, scale)
+    check_head_supported(head)
     hot = torch.tensor(sorted(set(payload["map"])))
     hidden_states = torch.randn(payload["rows"], hidden, generator=torch.Generator().manual_seed(1))
     model_config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_attention_heads=hidden // 16)
@@ -124,8 +153,7 @@ def fp8_head_cases(payload: dict) -> dict:
         "method": type(head.quant_method).__name__,
         "stored": (tuple(head.weight.shape), head.weight.dtype, head.weight_scale.numel()),
     }
-    new_quantized, new_scale, _ = fp8_checkpoint(vocab, hidden, seed=2)
-    start, end = shard.shard_ranges[shard.rank]
+    new_quantized, new_scale, _ = fp8_checkpoint(vocab, hidden, seed=2, per_row=per_row)
     for layout in ("local", "balanced"):
         plan = plan_from_ranges(hot, shard.shard_ranges, layout)
         case = {"columns": (plan.offsets[shard.rank], plan.counts[shard.rank])}
@@ -138,14 +166,12 @@ def fp8_head_cases(payload: dict) -> dict:
         out[layout] = case
     for layout in ("local", "balanced"):
         # Weights updated in place in SGLang's stored layout; then the worker's refresh.
-        head.weight.data[:, : end - start].copy_(quantized[start:end].t())
-        head.weight_scale.data.copy_(scale)
+        store_fp8_shard(head, rows, quantized, scale)
         plan = plan_from_ranges(hot, shard.shard_ranges, layout)
         state = FrSpecDraftHead(
             plan, shard, FrSpecOptions.from_env(), build_hot_head(shard, plan, torch.float32)
         )
-        head.weight.data[:, : end - start].copy_(new_quantized[start:end].t())
-        head.weight_scale.data.copy_(new_scale)
+        store_fp8_shard(head, rows, new_quantized, new_scale)
         before = state.local_head.data_ptr()
         state.refresh()
         out[layout]["refreshed"] = (state.local_head.clone(), state.local_head.data_ptr() == before)

@@ -116,28 +116,33 @@ def test_checkpoint_with_unquantized_head_serves_greedy_with_full_acceptance(qua
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("tp", [1, 2])
-def test_modelopt_fp8_head_hot_rows_are_dequantized(tp):
+@pytest.mark.parametrize(("tp", "per_row"), [(1, False), (2, False), (2, True)])
+def test_modelopt_fp8_head_hot_rows_are_dequantized(tp, per_row):
     """A quantized ModelOpt FP8 head (real method, loaded by SGLang's weight_loader from values
     quantized in the test): at TP=1 (where the plugin builds the head too) and on a gloo TP=2
     group each rank's hot head is the independent
     dequantization of its hot rows (bit-exact in float32, exact casts in bfloat16), the draft
-    logits equal ``h @ dequant(W)[hot].T``, and a refresh after an in-place update re-reads them."""
+    logits equal ``h @ dequant(W)[hot].T``, and a refresh after an in-place update re-reads them.
+    ``per_row``: one scale per row as SGLang stores it where CUTLASS FP8 runs, every row's
+    distinct, so a reader that takes another row's scale (a neighbour's, or the global row's
+    on rank 1) fails."""
     gen = torch.Generator().manual_seed(6)
     split = vocab_shard_ranges(VOCAB, 2)[1][0]
     hot_map = [0, split - 1, split, VOCAB - 1, *torch.randperm(VOCAB, generator=gen)[:200].tolist()]
-    payload = {"vocab": VOCAB, "hidden": HIDDEN, "rows": ROWS, "map": hot_map}
+    payload = {"vocab": VOCAB, "hidden": HIDDEN, "rows": ROWS, "map": hot_map, "per_row": per_row}
     results = run_tp_group(rank_cases_quantized.fp8_head_cases, tp, payload)
-    _, _, dequantized = fp8_checkpoint(VOCAB, HIDDEN, seed=0)
-    _, _, new_dequantized = fp8_checkpoint(VOCAB, HIDDEN, seed=2)
+    _, scale, dequantized = fp8_checkpoint(VOCAB, HIDDEN, seed=0, per_row=per_row)
+    _, _, new_dequantized = fp8_checkpoint(VOCAB, HIDDEN, seed=2, per_row=per_row)
+    assert scale.unique().numel() == (VOCAB if per_row else 1)
     hot = torch.tensor(sorted(set(hot_map)))
     hidden_states = torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(1))
     reference = hidden_states @ dequantized[hot].T
     padded_rows = -(-VOCAB // 64) * 64 // tp  # each rank's shard: its part of the vocab padded to 64
     for r in results:
         assert r["method"] == "ModelOptFp8LinearMethod"
-        # SGLang stores the weight transposed, float8, with one scale (no CUTLASS on CPU).
-        assert r["stored"] == ((HIDDEN, padded_rows), torch.float8_e4m3fn, 1)
+        # SGLang stores the weight transposed, float8, with one scale (no CUTLASS on CPU), or
+        # (per_row) one per row of the shard.
+        assert r["stored"] == ((HIDDEN, padded_rows), torch.float8_e4m3fn, padded_rows if per_row else 1)
         for layout in ("local", "balanced"):
             case = r[layout]
             offset, count = case["columns"]
@@ -235,7 +240,8 @@ def test_modelopt_fp8_head_repacked_for_marlin_is_refused():
 @pytest.mark.usefixtures("single_rank")
 def test_modelopt_fp8_head_with_one_scale_per_row_is_read_and_other_scale_counts_refused():
     """Where CUTLASS FP8 is supported, SGLang stores the per-tensor scale once per row
-    (convert_to_channelwise); any other scale count is not read."""
+    (convert_to_channelwise, every row's equal); any other scale count is not read. Distinct
+    per-row scales at TP=2: test_modelopt_fp8_head_hot_rows_are_dequantized[2-True]."""
     from sglang.srt.layers.quantization.utils import convert_to_channelwise
 
     from sglang_frspec.adapters.head import check_head_supported
