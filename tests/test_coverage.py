@@ -27,6 +27,8 @@ from sglang_frspec.core.options import (
 )
 from sglang_frspec.demo.server import plugin_activity
 from sglang_frspec.maps.counts_file import TokenCounts
+from tests import rank_cases_coverage
+from tests.harness.tp_group import run_tp_group
 
 VOCAB = 1000
 
@@ -95,6 +97,66 @@ def test_a_snapshot_keeps_the_totals_of_its_time():
     totals = earlier.result()
     assert (totals.committed, totals.in_map, totals.counts[5].item()) == (3, 1, 1)
     assert counter.snapshot().result() == CoverageTotals(5, 3, 2, 3)
+
+
+def test_in_map_counts_each_token_against_the_map_of_its_step():
+    """Issue 33: ids 0-7 committed 20 times in the map, then the map (rewritten in place, as the
+    adaptive map does) holds 100-107, committed 6 times. The in-map total must never fall (the
+    Prometheus counter only goes up: recomputed over the current ids it fell from 160 to 48) and
+    must equal a count of the tokens in the map at the step that committed them; then random
+    batches with random in-place swaps between them, against the same independent count."""
+    hot = torch.arange(8)
+    counter = CommittedTokenCounts(hot, VOCAB)
+    row = torch.tensor([8])  # one request accepting 8 tokens a step
+    for _ in range(20):
+        counter.add(torch.arange(8), row, 8)
+    assert counter.snapshot().result().in_map == 160
+    hot.copy_(torch.arange(100, 108))
+    counter.map_changed()
+    for _ in range(6):
+        counter.add(torch.arange(100, 108), row, 8)
+    assert counter.snapshot().result() == CoverageTotals(208, 208, 182, 26)
+
+    gen = torch.Generator().manual_seed(2)
+    hot = torch.randperm(VOCAB, generator=gen)[:100]
+    counter = CommittedTokenCounts(hot, VOCAB)
+    expected, seen = 0, [0]
+    for step in range(30):
+        batch = random_batch(gen, 6, 4, torch.int64)
+        committed, _, _ = reference_counts([batch], VOCAB)
+        expected += sum(n for i, n in committed.items() if i in set(hot.tolist()))
+        counter.add(*batch)
+        seen.append(counter.snapshot().result().in_map)
+        if step % 3 == 2:  # swap a few positions for ids outside the map, in place
+            outside = torch.ones(VOCAB, dtype=torch.bool)
+            outside[hot] = False
+            incoming = outside.nonzero().flatten()[torch.randperm(int(outside.sum()), generator=gen)[:10]]
+            hot.index_copy_(0, torch.randperm(100, generator=gen)[:10], incoming)
+            counter.map_changed()
+    assert seen[-1] == expected > 0
+    assert all(a <= b for a, b in zip(seen, seen[1:]))  # a lifetime total
+
+
+def test_adaptive_map_exports_monotonic_in_map_counts_to_prometheus():
+    """Issue 33: with --enable-metrics the adaptive map crashed the scheduler. Ids 0-7 fill the
+    map and are committed 20 steps; then the traffic moves to 100-107, and the map's decisions
+    swap them in. The in-map counter exported to SGLang's own Prometheus collector was
+    recomputed over the new ids, fell, and ``Counter.inc`` raised; it must equal the tokens the
+    draft worker's map held when each step committed them (the count of the real seam's hooks,
+    on both ranks of a TP=2 group)."""
+    payload = {"vocab": VOCAB, "hidden": 16, "map": list(range(8)),
+               "phases": [(list(range(8)), 20), (list(range(100, 108)), 6)]}  # fmt: skip
+    results = run_tp_group(
+        rank_cases_coverage.adaptive_metrics_export, 2, payload, server_args={"enable_metrics": True}
+    )
+    for result in results:  # every rank counts (rank 0 exports in a server)
+        first, second = result["phases"]
+        assert (first["committed"], first["in_map"], first["swaps"]) == (160, first["in_map_then"], 0)
+        assert first["in_map_then"] == 160
+        assert result["hot_ids"] == list(range(100, 108))  # the map followed the traffic
+        assert second["swaps"] == 8 and second["committed"] == 208
+        assert second["in_map"] == second["in_map_then"]
+        assert 160 < second["in_map"] < 208  # the swaps took a few steps
 
 
 def test_a_changed_layout_is_a_clear_error():

@@ -8,7 +8,9 @@ Five hooks (``adapters/hooks.py``), all outside captured CUDA graphs:
 2. AFTER ``EAGLEWorkerV2.verify``: the verify output holds, on every TP rank, each request's
    accepted draft tokens and bonus token (``next_token_ids`` viewed ``[bs, stride]``, the first
    ``accept_lens[i]`` of row i, the accepted path already at the front for topk > 1); they are
-   counted on the device. The first token after a prefill is not: no speculative step made it.
+   counted on the device, "in the map" against the map of that step (after an adaptive decision
+   that swapped, later tokens count against the new map; the totals never fall). The first token
+   after a prefill is not: no speculative step made it.
 3. AFTER ``SchedulerMetricsReporter.report_decode_stats``: at SGLang's decode-log interval the
    ranks that log (TP rank 0), export metrics or write the counts file start a host copy of the
    totals; once it has landed (a later step on CUDA, at once on CPU) they log a line after
@@ -88,7 +90,10 @@ def count_after_verify(result, worker, batch, *args, **kwargs):
         coverage.counts.add(result.next_token_ids, result.accept_lens, stride)
         coverage.unsnapshotted_steps += 1
         if coverage.adapter is not None:  # between forward passes, on every rank alike
+            swapped = coverage.adapter.swapped
             coverage.adapter.after_verify()
+            if coverage.adapter.swapped != swapped:  # later tokens count against the new map
+                coverage.counts.map_changed()
     return result
 
 
@@ -192,7 +197,7 @@ def _export(coverage: HotCoverage, totals: CoverageTotals, collector) -> None:
             counter_class(name=name, documentation=doc, labelnames=list(labels)).labels(**labels)
             for name, doc in (
                 (COMMITTED_METRIC, "Tokens committed by speculative verify steps (sglang-frspec)."),
-                (IN_MAP_METRIC, "Committed tokens that the token map holds (sglang-frspec)."),
+                (IN_MAP_METRIC, "Committed tokens that the token map held when committed (sglang-frspec)."),
                 (SWAPS_METRIC, "Ids swapped into the token map by SGLANG_FRSPEC_ADAPT (sglang-frspec)."),
             )
         )

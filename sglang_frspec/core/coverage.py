@@ -7,8 +7,11 @@ draft tokens and the bonus token: the first ``accept_lens[i]`` ids of row i) wit
 fixed-shape kernels and no host sync. It counts the accepted draft tokens (the first
 ``accept_lens[i] - 1``) and the verified request-steps too: which ids the drafts get right is what
 a smaller map would lose, and committed tokens per request-step is the accept length. Totals are
-derived from the counters, so the hot set costs nothing per step. ``snapshot()`` copies them to the
-host in stream order without waiting; ``PendingSnapshot.ready()`` says when the copy has landed.
+derived from the counters, so the hot set costs nothing per step. A token is "in the map" against
+the map in force when it was committed: when the map changes (the adaptive map's swaps call
+``map_changed()``), what the old map held is banked, so the in-map total never falls and means
+the same before and after. ``snapshot()`` copies the totals to the host in stream order without
+waiting; ``PendingSnapshot.ready()`` says when the copy has landed.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ import torch
 
 @dataclass(frozen=True)
 class CoverageTotals:
-    """Committed tokens counted so far, how many of them the map holds, and optionally per id."""
+    """Committed tokens counted so far, how many of them were in the map then, optionally per id."""
 
     committed: int
-    in_map: int
+    in_map: int  # committed while the map held them (an adaptive map may have swapped them out since)
     accepted: int = 0  # of the committed tokens, the accepted draft tokens (the rest are bonus tokens)
     verify_rows: int = 0  # request-steps verified: each commits its accepted drafts and one bonus token
     counts: torch.Tensor | None = None  # int64 [vocab_size] on the CPU, when asked for
@@ -86,6 +89,10 @@ class CommittedTokenCounts:
         # which must not index out of bounds; it is never reported.
         self.counts = torch.zeros(2, vocab_size + 1, dtype=torch.int64, device=device)
         self.verify_rows = torch.zeros((), dtype=torch.int64, device=device)
+        # The map in force since the last change, and what the in-map total adds to its ids' counts:
+        # the committed tokens earlier maps held, less the counts the map's ids had when it came in.
+        self._map = hot_ids.clone()
+        self._in_map_offset = torch.zeros((), dtype=torch.int64, device=device)
         self._positions = torch.arange(0, dtype=torch.int64, device=device)
         self._ones = torch.ones(0, dtype=torch.int64, device=device)
         self._stream = None  # the CUDA stream of the last update: snapshots are ordered after it
@@ -116,6 +123,13 @@ class CommittedTokenCounts:
         if self.counts.is_cuda:
             self._stream = torch.cuda.current_stream(self.counts.device)
 
+    def map_changed(self) -> None:
+        """Count later tokens against ``hot_ids`` as it is now (call after rewriting it in place,
+        before the next ``add``); what the old map held so far stays counted. No host sync."""
+        committed = self.counts[0]
+        self._in_map_offset += committed[self._map].sum() - committed[self.hot_ids].sum()
+        self._map.copy_(self.hot_ids)
+
     def snapshot(self, with_counts: bool = False) -> PendingSnapshot:
         """Start copying the totals (and the per-id counts) to the host; never blocks."""
         if not self.counts.is_cuda:
@@ -136,4 +150,5 @@ class CommittedTokenCounts:
 
     def _totals(self) -> torch.Tensor:
         committed, accepted = self.counts[:, : self.vocab_size]
-        return torch.stack((committed.sum(), committed[self.hot_ids].sum(), accepted.sum(), self.verify_rows))
+        in_map = committed[self._map].sum() + self._in_map_offset
+        return torch.stack((committed.sum(), in_map, accepted.sum(), self.verify_rows))
