@@ -10,30 +10,39 @@ HIDDEN = 8
 
 
 def pd_node(payload: dict) -> list[dict]:
-    """One node's transfers: ``payload["steps"]`` lists ``("prefill", picked)`` and
-    ``("decode", wire)`` steps, answered in order (``wire`` None: this node's last prefill's).
+    """One process playing PD nodes of one kind: ``payload["steps"]`` lists
+    ``("prefill", picked, file_ids)`` and ``("decode", wire, file_ids)`` steps, answered in order;
+    each step is a node that loaded ``file_ids`` as its map (``wire``: rows, or the index of an
+    earlier prefill answer whose rows to receive).
 
     Prefill: each request's first draft top-k (``picked``, hot indices in this node's own order)
     goes through SGLang's ``MetadataBuffers.set_buf``; the answer is the buffer rows (the wire)
     and the token ids picked. Decode: the wire rows are read back as ``DecodeTransferQueue`` does
     (``get_buf``), the first draft input is built by SGLang's ``build_eagle_disagg_draft_input``
     and its ``topk_index`` mapped through this node's ``hot_token_id`` as ``draft_forward`` does:
-    the token ids the decode node drafts from.
+    the token ids the decode node drafts from, or the error that stopped it. Every answer holds
+    the warnings the plugin logged during its step.
 
-    ``plugin``: the node runs sglang-frspec (hooks applied, wire order installed as its draft
-    worker does at start-up, ``hot_token_id`` the canonical ids); otherwise it is stock
+    ``plugin``: the nodes run sglang-frspec (hooks applied, wire order installed as its draft
+    worker does at start-up, ``hot_token_id`` the canonical ids); otherwise they are stock
     (``hot_token_id`` the file's ids in file order, duplicates kept).
     """
+    import logging
+
     from sglang.srt.disaggregation.utils import MetadataBuffers
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_frspec.core import canonical_hot_ids
+    from sglang_frspec.core import TokenMapError, canonical_hot_ids
 
-    file_ids = torch.tensor(payload["file_ids"])
-    hot = canonical_hot_ids(file_ids, payload["vocab"])
-    hot_token_id = file_ids
+    warnings: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("sglang_frspec").addHandler(Capture(logging.WARNING))
     if payload["plugin"]:
         from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -42,8 +51,6 @@ def pd_node(payload: dict) -> list[dict]:
 
         register()
         HookRegistry.apply_hooks()
-        pd.install_wire_order(file_ids, hot, "cpu")
-        hot_token_id = hot.ids
     buffers = MetadataBuffers(size=4, hidden_size=HIDDEN, hidden_states_dtype=torch.float32,
                               max_sampling_mask_tokens=16)  # fmt: skip
 
@@ -53,8 +60,15 @@ def pd_node(payload: dict) -> list[dict]:
         return req
 
     answers = []
-    for role, rows in payload["steps"]:
-        rows = torch.tensor(answers[-1]["wire"] if rows is None else rows)
+    for role, rows, file_ids in payload["steps"]:
+        warnings.clear()
+        file_ids = torch.tensor(file_ids)
+        hot_token_id = file_ids
+        if payload["plugin"]:
+            hot = canonical_hot_ids(file_ids, payload["vocab"])
+            pd.install_wire_order(file_ids, hot, "cpu")
+            hot_token_id = hot.ids
+        rows = torch.tensor(answers[rows]["wire"] if isinstance(rows, int) else rows)
         if role == "prefill":
             for i, picked in enumerate(rows):
                 req = request(i)
@@ -64,7 +78,7 @@ def pd_node(payload: dict) -> list[dict]:
                 req.hidden_states_tensor = torch.zeros(HIDDEN)
                 buffers.set_buf(req)
             answers.append({"wire": buffers.output_topk_index[: len(rows)].tolist(),
-                            "tokens": hot_token_id[rows].tolist()})  # fmt: skip
+                            "tokens": hot_token_id[rows].tolist(), "warnings": list(warnings)})  # fmt: skip
             continue
         reqs = []
         for i, wire in enumerate(rows):
@@ -78,9 +92,10 @@ def pd_node(payload: dict) -> list[dict]:
         batch = SimpleNamespace(reqs=reqs, device="cpu", enable_overlap=False,
                                 model_config=SimpleNamespace(hf_config=SimpleNamespace()))  # fmt: skip
         last_tokens = torch.tensor([7] * len(reqs))
-        spec_info = SpeculativeAlgorithm.EAGLE.build_disagg_draft_input(batch, last_tokens, None)
         try:
+            spec_info = SpeculativeAlgorithm.EAGLE.build_disagg_draft_input(batch, last_tokens, None)
             answers.append({"tokens": hot_token_id[spec_info.topk_index].tolist()})
-        except IndexError as e:  # what a device assert is on the GPU
-            answers.append({"error": str(e)})
+        except (IndexError, TokenMapError) as e:  # IndexError: what a device assert is on the GPU
+            answers.append({"error": f"{type(e).__name__}: {e}"})
+        answers[-1]["warnings"] = list(warnings)
     return answers

@@ -110,3 +110,30 @@ def test_wire_order_maps_file_positions_and_canonical_indices_both_ways():
     assert torch.equal(file_ids[wire.to_wire(canonical)], hot.ids)
     assert wire.to_wire(canonical).tolist() == [0, 2, 3, 5, 7, 1]  # each id's first position
     assert wire.to_wire(torch.tensor([[5, 0], [3, 1]])).shape == (2, 2)
+
+
+def test_wire_order_reads_positions_outside_the_map_as_its_first_id_and_refuses_another_maps_tag():
+    file_ids = torch.tensor([2, 300, 5, 9, 5, 17, 2, 40])
+    hot = canonical_hot_ids(file_ids, 1000)
+    wire = HotWireOrder.of(file_ids, hot)
+    # Positions of a longer map (8, 9) and a corrupt one (-3): the file's first id, in range.
+    received = torch.tensor([[9, 1], [8, -3], [7, 0]])
+    assert hot.ids[wire.from_wire(received)].tolist() == [[2, 300], [2, 2], [40, 2]]
+    rows = torch.zeros(3, 16, dtype=torch.int64)
+    rows[:, :2] = received
+    assert wire.count_outside(rows, 2) == 3
+    rows[:, -1] = wire.tag  # this map's tag, as a plugin prefill node with the same file sends it
+    assert wire.count_outside(rows, 2) == 3
+    # The tag is of the ids in file order: the same ids sorted, or one more id, differ.
+    same = HotWireOrder.of(file_ids.clone(), canonical_hot_ids(file_ids.clone(), 1000))
+    assert wire.tag < 0 and same.tag == wire.tag
+    for other_ids in (hot.ids, torch.cat([file_ids, torch.tensor([500])])):
+        other = HotWireOrder.of(other_ids, canonical_hot_ids(other_ids, 1000))
+        assert other.tag < 0 and other.tag != wire.tag
+        rows[1, -1] = other.tag
+        with pytest.raises(
+            TokenMapError, match="the prefill node's token map differs from this decode node's"
+        ):
+            wire.count_outside(rows, 2)
+    # A top-k that fills the row leaves no tag slot: the last column is a position then.
+    assert wire.count_outside(rows[:, :2], 2) == 3

@@ -131,6 +131,11 @@ CONTRACT: tuple[Entry, ...] = (
     # that makes a node a PD node
     Attribute("sglang.srt.managers.schedule_batch:Req.output_topk_index"),
     Attribute("sglang.srt.speculative.eagle_info:EagleDraftInput.topk_index"),
+    # ... the metadata row the prefill node's map tag rides in, and the decode batch's requests
+    # whose rows (as received) are checked against this node's map
+    Attribute("sglang.srt.disaggregation.utils:MetadataBuffers.output_topk_index"),
+    Attribute("sglang.srt.managers.schedule_batch:Req.metadata_buffer_index"),
+    Attribute("sglang.srt.managers.schedule_batch:ScheduleBatch.reqs"),
     Signature("sglang.srt.runtime_context:get_disagg", "()"),
     Attribute("sglang.srt.arg_groups.fields.disagg:Disagg.disaggregation_mode"),
     # token_map.py: SGLang's own map loader (hub paths)

@@ -7,7 +7,11 @@ through its own ``hot_token_id``. Stock SGLang's hot order is the map file's (du
 an index can be >= the plugin's H), the plugin's the sorted unique ids. So that either node may
 run stock SGLang, the wire carries stock's order: a plugin prefill node translates just before
 the metadata buffer is filled, a plugin decode node just after the draft input is built. Both
-nodes load the same map file (SGLang requires it of stock nodes too).
+nodes must load the same map file (SGLang requires it of stock nodes too): a plugin prefill node
+writes its map's tag (``HotWireOrder.tag``) into the row's spare last slot, and a plugin decode
+node refuses rows tagged with another map's tag (stock nodes write and read no tag). Positions
+outside the decode node's map (an untagged sender with a longer map) draft its first id instead,
+with a warning once.
 
 Each scheduler process serves one draft worker, which installs its wire order here when it
 starts on a PD node; processes without one (no map, not PD) translate nothing.
@@ -15,14 +19,19 @@ starts on a PD node; processes without one (no map, not PD) translate nothing.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from sglang.srt.runtime_context import get_disagg
 
 from sglang_frspec.core import HotIds, HotWireOrder
 
+logger = logging.getLogger(__name__)
+
 PD_MODES = ("prefill", "decode")
 
 _wire_order: HotWireOrder | None = None
+_warned_outside = False  # the out-of-range warning is logged once per process
 
 
 def install_wire_order(file_ids: torch.Tensor, hot: HotIds, device: torch.device | str) -> None:
@@ -35,14 +44,40 @@ def install_wire_order(file_ids: torch.Tensor, hot: HotIds, device: torch.device
 
 def to_wire_before_set_buf(buffers, req, *args, **kwargs) -> None:
     """BEFORE hook on ``MetadataBuffers.set_buf``: a prefill request's hot indices in file order
-    (``output_topk_index`` is read nowhere else on a prefill node)."""
-    if _wire_order is not None and getattr(req, "output_topk_index", None) is not None:
-        req.output_topk_index = _wire_order.to_wire(req.output_topk_index)
+    (``output_topk_index`` is read nowhere else on a prefill node), and the map's tag in the
+    row's last slot when the top-k leaves it spare (set_buf fills the first ones)."""
+    if _wire_order is None or getattr(req, "output_topk_index", None) is None:
+        return
+    req.output_topk_index = _wire_order.to_wire(req.output_topk_index)
+    row = buffers.output_topk_index[req.metadata_buffer_index]
+    if req.output_topk_index.numel() < row.numel():
+        row[-1] = _wire_order.tag
 
 
-def from_wire_after_draft_input(spec_info, *args, **kwargs):
+def from_wire_after_draft_input(spec_info, batch, *args, **kwargs):
     """AFTER hook on ``build_eagle_disagg_draft_input``: the received file positions as canonical
-    hot indices, before the first draft step maps them through ``hot_token_id``."""
-    if _wire_order is not None and spec_info is not None:
-        spec_info.topk_index = _wire_order.from_wire(spec_info.topk_index)
+    hot indices, before the first draft step maps them through ``hot_token_id``.
+
+    The rows are checked where SGLang's decode node received them (``req.output_topk_index``:
+    the whole metadata row, a host tensor), so no device value is read; a row from a node with
+    another map raises, stopping this node before it drafts from it."""
+    global _warned_outside
+    if _wire_order is None or spec_info is None:
+        return spec_info
+    num_states = spec_info.topk_index.shape[1]
+    received = torch.stack([torch.as_tensor(req.output_topk_index) for req in batch.reqs])
+    outside = _wire_order.count_outside(received, num_states)
+    if outside and not _warned_outside:
+        _warned_outside = True
+        logger.warning(
+            "[sglang-frspec] prefill/decode: received %d hot index(es) beyond this node's token "
+            "map of %d entries: the prefill node loaded a longer map and sent no map tag (stock "
+            "SGLang, or a top-k that fills the metadata row). Those first drafts use this map's "
+            "first id instead: "
+            "outputs stay exact (the target verifies every draft), accept lengths drop. Load "
+            "the same --speculative-token-map file on every node. (Logged once.)",
+            outside,
+            _wire_order.file_to_canonical.numel(),
+        )
+    spec_info.topk_index = _wire_order.from_wire(spec_info.topk_index)
     return spec_info

@@ -118,26 +118,60 @@ class HotWireOrder:
 
     canonical_to_file: torch.Tensor  # int64 [H]: canonical hot index -> first file position of its id
     file_to_canonical: torch.Tensor  # int64 [len(file)]: file position -> canonical hot index
+    # Names the file's ids in file order (what a position on the wire means): equal files, equal
+    # tags. Negative, so a receiver never reads it as a hot index.
+    tag: int
 
     @classmethod
     def of(cls, file_ids: torch.Tensor, hot: HotIds) -> HotWireOrder:
         """The two maps for a file's ids (in range: ``hot`` was made from them)."""
-        file_to_canonical = torch.searchsorted(hot.ids, file_ids.to(torch.int64))
+        file_ids = file_ids.to(torch.int64)
+        file_to_canonical = torch.searchsorted(hot.ids, file_ids)
         positions = torch.arange(file_ids.numel(), dtype=torch.int64)
         canonical_to_file = torch.full((len(hot),), file_ids.numel(), dtype=torch.int64)
         canonical_to_file.scatter_reduce_(0, file_to_canonical, positions, reduce="amin")
-        return cls(canonical_to_file, file_to_canonical)
+        digest = hashlib.sha256(file_ids.cpu().numpy().astype("<i8").tobytes()).digest()
+        return cls(canonical_to_file, file_to_canonical, -1 - (int.from_bytes(digest[:8], "little") >> 2))
 
     def to(self, device: torch.device | str) -> HotWireOrder:
-        return HotWireOrder(self.canonical_to_file.to(device), self.file_to_canonical.to(device))
+        return HotWireOrder(self.canonical_to_file.to(device), self.file_to_canonical.to(device), self.tag)
 
     def to_wire(self, hot_index: torch.Tensor) -> torch.Tensor:
         """Canonical hot indices as stock SGLang's file positions (same shape)."""
         return self.canonical_to_file.to(hot_index.device)[hot_index]
 
     def from_wire(self, file_index: torch.Tensor) -> torch.Tensor:
-        """File positions (as a stock node ships them) as canonical hot indices (same shape)."""
-        return self.file_to_canonical.to(file_index.device)[file_index]
+        """File positions (as a stock node ships them) as canonical hot indices (same shape).
+
+        A position outside this map (the sender's map is longer) reads as position 0, the
+        file's first id (FR-Spec's most frequent), by a select on the device: no host sync,
+        no out-of-range gather (a device assert on CUDA). ``count_outside`` tells the host."""
+        table = self.file_to_canonical.to(file_index.device)
+        inside = (file_index >= 0) & (file_index < table.numel())
+        return table[torch.where(inside, file_index, 0)]
+
+    def count_outside(self, received: torch.Tensor, num_states: int) -> int:
+        """Check the rows a PD decode node received ([requests, width] as SGLang's metadata
+        buffer holds them: file positions in the first ``num_states`` columns, and in the last
+        the sender's tag when the width leaves room) and return how many positions lie outside
+        this map. A row tagged with another map's tag raises TokenMapError."""
+        if received.shape[1] > num_states:
+            tags = received[:, -1]
+            foreign = tags[(tags < 0) & (tags != self.tag)]
+            if foreign.numel():
+                raise TokenMapError(
+                    "[sglang-frspec] prefill/decode: the prefill node's token map differs from "
+                    f"this decode node's (map tag {int(foreign[0])} received, {self.tag} here, "
+                    f"for this node's file of {self.file_to_canonical.numel()} entries). A prefill "
+                    "node ships each request's first draft as positions in its "
+                    "--speculative-token-map file, so both nodes must load the same file with its "
+                    "ids in the same order: a longer or shorter map, or the same ids in another "
+                    "order (e.g. a sorted or adapted map saved on one node), turns every first "
+                    "draft into other tokens. Copy one map file to every prefill and decode node "
+                    "and restart the nodes that loaded another."
+                )
+        positions = received[:, :num_states]
+        return int(((positions < 0) | (positions >= self.file_to_canonical.numel())).sum())
 
 
 def check_hot_ids_cover_topk(num_hot: int, topk: int, source: str = "token map") -> None:
