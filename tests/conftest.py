@@ -146,6 +146,16 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def pytest_collection_modifyitems(items):
+    """Unit tests first, then the gloo TP groups, then real servers (stable within a tier): a
+    broken build fails in the first minutes of a run instead of after the servers."""
+    items.sort(
+        key=lambda item: (
+            2 if item.get_closest_marker("server") else 1 if item.get_closest_marker("multirank") else 0
+        )
+    )
+
+
 _SESSION_START = time.monotonic()
 _ITEM_SECONDS: defaultdict[str, float] = defaultdict(float)
 
