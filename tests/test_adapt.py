@@ -1,4 +1,5 @@
-"""Adaptive hot set, the pure part: decayed scores, which ids swap, and the in-place head rows."""
+"""Adaptive hot set: decayed scores, which ids swap, and the in-place head rows (in one process,
+and on real gloo groups where rows cross ranks); the adapter on a quantized ModelOpt FP8 head."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from sglang_frspec.core.adapt import (
     MIN_MARGIN,
     SCORE_SHIFT,
     SwapGroup,
-    apply_swaps_to_local_head,
     choose_swaps,
     decay_scores,
     swap_groups,
 )
+from sglang_frspec.core.gather import _rows_per_step, place_hot_rows, shard_row_reader
+from tests import rank_cases_adapt
+from tests.harness.tp_group import run_tp_group
+from tests.rank_cases_quantized import fp8_checkpoint
 
 VOCAB = 1000
 
@@ -66,8 +70,8 @@ def test_local_groups_swap_within_each_ranks_vocab_shard():
     swaps = choose_swaps(scores, plan.hot_ids, groups, torch.zeros(0, dtype=torch.int64), max_swaps=8)
     assert swaps.positions.tolist() == [3, 4] and set(swaps.ids_in.tolist()) <= {700, 701, 702}
     assert swaps.ids_out.tolist() == [600, 601]
-    with pytest.raises(ValueError, match="only under the local layout"):
-        swap_groups(plan_from_ranges(plan.hot_ids, ranges, "balanced"))
+    # Balanced: any id may take any position, whichever shard holds its row.
+    assert swap_groups(plan_from_ranges(plan.hot_ids, ranges, "balanced")) == (SwapGroup(0, 5, (0, VOCAB)),)
     one_rank = plan_from_ranges(plan.hot_ids, vocab_shard_ranges(VOCAB, 1), "balanced")
     assert swap_groups(one_rank) == (SwapGroup(0, 5, (0, VOCAB)),)
 
@@ -90,7 +94,8 @@ def test_swapped_rows_equal_the_rows_of_the_new_ids(tp):
     for rank, head in enumerate(heads):
         start, end = ranges[rank]
         addr = head.data_ptr()
-        apply_swaps_to_local_head(head, full[start:end], plan, rank, swaps)
+        reader = shard_row_reader(full[start:end])  # local: no collective
+        place_hot_rows(reader, swaps.ids_in, plan, rank, None, head, positions=swaps.positions)
         run = new_hot[plan.offsets[rank] : plan.offsets[rank] + plan.counts[rank]]
         assert bool(((run >= start) & (run < end)).all())  # still this rank's own rows
         assert torch.equal(head, full[run]) and head.data_ptr() == addr  # in place
@@ -119,3 +124,83 @@ def test_a_weight_refresh_after_swaps_rebuilds_the_current_set(tp):
         first, count = plan.offsets[rank], plan.counts[rank]
         assert torch.equal(heads[rank][:count], new[plan.hot_ids[first : first + count]])
         assert heads[rank].data_ptr() == addr
+
+
+def test_rows_in_any_order_land_at_their_positions_in_small_steps():
+    """One rank, ids in no particular order (as after swaps), a step of a few rows: every position
+    of the head holds its id's row."""
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(VOCAB, 16, generator=gen)
+    ids = torch.randperm(VOCAB, generator=gen)[:45]
+    plan = plan_from_ranges(ids.sort().values, vocab_shard_ranges(VOCAB, 1), "balanced")
+    plan.hot_ids.copy_(ids)  # unsorted, as the adapter leaves it
+    head = torch.full((plan.width, 16), float("nan"))
+    place_hot_rows(shard_row_reader(full), plan.hot_ids, plan, 0, None, head, chunk_bytes=1000)
+    assert _rows_per_step(1, 16, 4, 1000) == 6  # eight steps
+    assert torch.equal(head, full[ids])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp", [2, 3])
+def test_balanced_swaps_move_rows_across_ranks(tp):
+    """Balanced layout on a real gloo group, a map held by rank 0's shard alone: the traffic moves
+    to the other shards, every swapped-in row lives on another rank than the position that takes
+    it (or some do), and after the swaps (in steps of a few rows, every all-gather within the step
+    budget) and after a weight refresh over the swapped, unsorted ids each rank's head equals the
+    independent ``W[new hot ids]`` of its slice, at the same address."""
+    vocab, hidden = VOCAB, 16
+    ranges = vocab_shard_ranges(vocab, tp)
+    gen = torch.Generator().manual_seed(tp)
+    hot = torch.randperm(ranges[0][1], generator=gen)[:60].sort().values
+    plan = plan_from_ranges(hot, ranges, "balanced")
+    scores = torch.zeros(vocab, dtype=torch.int64)
+    scores[hot[::3]] = 5 << SCORE_SHIFT  # a third of the map stays in use
+    scores[ranges[0][1] :: 13] = 40 << SCORE_SHIFT  # the new traffic, on the other shards only
+    swaps = choose_swaps(scores, plan.hot_ids, swap_groups(plan), torch.zeros(0, dtype=torch.int64), 30)
+    assert len(swaps) == 30 and bool((swaps.ids_in >= ranges[0][1]).all())
+    holders = plan.column_ranks[swaps.positions]
+    assert set(holders.tolist()) == set(range(tp))  # rank 0 takes rows it does not hold, too
+    chunk = 4 * ((tp + 1) * hidden * 4 + 24 * tp)  # four rows a step
+    payload = {"vocab": vocab, "hidden": hidden, "hot": hot.tolist(), "chunk_bytes": chunk,
+               "positions": swaps.positions.tolist(), "ids_in": swaps.ids_in.tolist()}  # fmt: skip
+    results = run_tp_group(rank_cases_adapt.swapped_rows, tp, payload)
+    new_hot = hot.clone()
+    new_hot[swaps.positions] = swaps.ids_in
+    # The checkpoints of rank_cases._target_head, before (seed 0) and after (seed 1) the update.
+    old_full = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0))
+    new_full = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(1))
+    owned = [int(((swaps.ids_in >= s) & (swaps.ids_in < e)).sum()) for s, e in ranges]
+    for rank, result in enumerate(results):
+        first, count = plan.offsets[rank], plan.counts[rank]
+        assert torch.equal(result["swapped"][:count], old_full[new_hot[first : first + count]]), rank
+        assert torch.equal(result["refreshed"][:count], new_full[new_hot[first : first + count]]), rank
+        assert result["in_place"]
+        # Every rank ran the same steps, each within the budget: 4 rows from each rank.
+        assert result["gathered"] == [tp * 4 * hidden * 4] * -(-max(owned) // 4), rank
+        assert _rows_per_step(tp, hidden, 4, chunk) == 4
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("vocab", "hidden"), [(128, 64), (1000, 64)], ids=["square", "non-square"])
+def test_the_adapter_swaps_dequantized_rows_into_an_fp8_head(vocab, hidden):
+    """A real ModelOpt FP8 head at TP=2, stored transposed ([hidden, rows per rank]); square when
+    rows per rank equal hidden (the shape a plain head has, so a shape check passes it and raw
+    float8 columns would be copied without the scale). Under both layouts the committed ids are
+    swapped in and every rank's head equals the independent dequantization of its new hot ids."""
+    ranges = vocab_shard_ranges(vocab, 2)
+    hot = [*range(0, ranges[0][1], 3)][:12] + [*range(ranges[1][0], ranges[1][1], 3)][:12]  # both shards
+    committed = [ranges[1][0] + 1, ranges[1][0] + 5, 2, 4]  # two ids from each shard, outside the map
+    payload = {"vocab": vocab, "hidden": hidden, "hot": hot, "committed": committed}
+    results = run_tp_group(rank_cases_adapt.fp8_head_adapts, 2, payload)
+    quantized, scale, dequantized = fp8_checkpoint(vocab, hidden, seed=0)
+    rows_per_rank = ranges[0][1]
+    assert results[0]["stored"] == (hidden, rows_per_rank) and results[0]["dtype"] == torch.float8_e4m3fn
+    assert (hidden == rows_per_rank) == (vocab == 128)
+    for layout in ("local", "balanced"):
+        hot_ids = results[0][layout]["hot_ids"]
+        assert set(committed) <= set(hot_ids.tolist()), layout  # all four swapped in
+        for result in results:
+            case = result[layout]
+            assert torch.equal(case["hot_ids"], hot_ids) and case["swapped"] == 4
+            first, count = case["columns"]
+            assert torch.equal(case["head"][:count], dequantized[hot_ids[first : first + count]]), layout

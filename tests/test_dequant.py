@@ -1,15 +1,12 @@
 """Core pieces of the quantized-head path (torch only): FP8 row dequantization against an
-independent per-element computation, and plans over a rank's owned hot rows against the plan
-over the whole shard."""
+independent per-element computation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sglang_frspec.core import build_local_head, plan_hot_shards, vocab_shard_ranges
 from sglang_frspec.core.dequant import dequantize_fp8_rows
-from sglang_frspec.core.plan import plan_over_owned_rows
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -41,23 +38,3 @@ def test_rows_that_are_not_fp8_or_scales_that_fit_nothing_are_errors():
         dequantize_fp8_rows(quantized.float(), scales, torch.float32)
     with pytest.raises(ValueError, match="a scale of 3 values fits neither a tensor nor 4 rows"):
         dequantize_fp8_rows(quantized, scales[:3], torch.float32)
-
-
-@pytest.mark.parametrize("layout", ["local", "balanced"])
-@pytest.mark.parametrize("tp", [1, 2, 3, 4])
-def test_plan_over_owned_rows_builds_the_same_head_from_the_owned_rows(layout, tp):
-    """Same counts, offsets and width; under the local layout (no exchange) every rank's head
-    built from only its owned rows equals the head built from its whole shard."""
-    vocab, hidden = 1000, 8
-    gen = torch.Generator().manual_seed(tp)
-    ids = torch.cat([torch.randperm(vocab, generator=gen)[:90], torch.tensor([0, vocab - 1])])
-    plan = plan_hot_shards(ids, vocab, tp, layout=layout)
-    owned = plan_over_owned_rows(plan)
-    assert (owned.counts, owned.offsets, owned.width) == (plan.counts, plan.offsets, plan.width)
-    if layout == "balanced" and tp > 1:
-        return  # the exchange needs a group: tests/test_quantized_heads.py runs it on gloo
-    weight = torch.randn(vocab, hidden, generator=gen)
-    for rank, (start, end) in enumerate(vocab_shard_ranges(vocab, tp)):
-        shard = weight[start:end]
-        whole = build_local_head(shard, plan, rank, None)
-        assert torch.equal(build_local_head(shard[plan.owned_rows(rank)], owned, rank, None), whole)

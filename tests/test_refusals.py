@@ -17,7 +17,7 @@ import torch
 
 from sglang_frspec.demo.cpu import cpu_env
 from sglang_frspec.demo.server import ServerError
-from tests import rank_cases_adapters
+from tests import rank_cases_adapt, rank_cases_adapters
 from tests.conftest import fixture_server
 from tests.harness.tp_group import run_tp_group
 from tests.rank_cases_adapters import skewed_ids
@@ -67,7 +67,6 @@ UNSUPPORTED = [
 ]
 ADAPT = {"SGLANG_FRSPEC_ADAPT": "1"}
 ADAPT_REFUSED = {  # name: (extra args, env, message)
-    "balanced": ([], ADAPT | {"SGLANG_FRSPEC_LAYOUT": "balanced"}, "needs SGLANG_FRSPEC_LAYOUT=local"),
     "pd": (["--disaggregation-mode", "decode"], ADAPT | {"SGLANG_FRSPEC_LAYOUT": "local"},
            "cannot serve a prefill/decode deployment"),
     "no coverage": ([], ADAPT | {"SGLANG_FRSPEC_COVERAGE": "0"},
@@ -270,18 +269,31 @@ class Collect(logging.Handler):
 logging.basicConfig(level=logging.WARNING, handlers=[Collect()])
 from sglang.srt.plugins import load_plugins
 load_plugins()  # as the launcher does: this plugin (SGLANG_PLUGINS) registers and applies its hooks
+import os
 from sglang.srt.server_args import ServerArgs
-for fields in json.loads(sys.argv[1]):
+for fields, env in json.loads(sys.argv[1]):
     messages.clear()
+    os.environ.update(env)  # the plugin's options, read at resolution
     args = ServerArgs(**fields)
     try:
         args.resolve_once()
         result = f"RESOLVED {args.speculative_algorithm}"
     except Exception as e:
         result = f"ERROR {type(e).__name__} {e}"
+    for name in env:
+        del os.environ[name]
     print("CASE", json.dumps([result, messages]))
 """
 EAGLE = {"speculative_algorithm": "EAGLE"}
+# SGLANG_FRSPEC_ADAPT=1 with the default (balanced) layout, in SGLang's resolution: served at TP 2
+# and 3; DP attention (either spelling) refused, as every idle DP rank would leave the decision.
+ADAPT_RESOLVED = {
+    "tp 2": {},
+    "tp 3": {"tp_size": 3},
+    "dp attention": {"enable_dp_attention": True, "dp_size": 2},
+    "attn dp size": {"attn_dp_size": 2},
+}
+DP_ATTENTION_REFUSED = "SGLANG_FRSPEC_ADAPT=1 cannot be combined with DP attention (--attn-dp-size > 1"
 REJECTION_SAMPLING_FIELDS = EAGLE | {"speculative_use_rejection_sampling": True, "speculative_eagle_topk": 1,
                               "speculative_num_steps": 2, "speculative_num_draft_tokens": 3}  # fmt: skip
 
@@ -294,17 +306,21 @@ def resolved(perm, tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
     maps = {"hot": perm.token_map("hot")}
     torch.save(torch.arange(perm.vocab_size), tmp_path / "whole.pt")
     maps["whole"] = str(tmp_path / "whole.pt")
-    cases = {
-        "no algorithm": ("hot", {}),
-        "frozen kv mtp": ("hot", {"speculative_algorithm": "FROZEN_KV_MTP"}),
-        "rejection sampling": ("hot", REJECTION_SAMPLING_FIELDS),
-        "rejection sampling, whole vocab": ("whole", REJECTION_SAMPLING_FIELDS),
+    cases = {  # name: (map, fields, env)
+        "no algorithm": ("hot", {}, {}),
+        "frozen kv mtp": ("hot", {"speculative_algorithm": "FROZEN_KV_MTP"}, {}),
+        "rejection sampling": ("hot", REJECTION_SAMPLING_FIELDS, {}),
+        "rejection sampling, whole vocab": ("whole", REJECTION_SAMPLING_FIELDS, {}),
+        **{f"adapt {name}": ("hot", EAGLE | extra, ADAPT) for name, extra in ADAPT_RESOLVED.items()},
     }
     fields = [
-        {"model_path": perm.target, "device": "cpu", "tp_size": 2, "speculative_token_map": maps[name]}
-        | ({"speculative_draft_model_path": perm.draft} if extra else {})
-        | extra
-        for name, extra in cases.values()
+        [
+            {"model_path": perm.target, "device": "cpu", "tp_size": 2, "speculative_token_map": maps[name]}
+            | ({"speculative_draft_model_path": perm.draft} if extra else {})
+            | extra,
+            env,
+        ]
+        for name, extra, env in cases.values()
     ]
     out = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(fields)], env=cpu_env(2),
                          capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -334,3 +350,29 @@ def test_rejection_sampling_with_a_map_is_refused_at_resolution(resolved):
         result, _ = resolved[case]
         assert result.startswith("ERROR UnsupportedSetupError --speculative-token-map cannot be combined "
                                  "with --speculative-use-rejection-sampling"), (case, result)  # fmt: skip
+
+
+def test_adaptation_with_the_default_layout_resolves_at_tp_2_and_3(resolved):
+    for case in ("adapt tp 2", "adapt tp 3"):
+        assert resolved[case][0] == "RESOLVED EAGLE", (case, resolved[case])
+
+
+def test_adaptation_with_dp_attention_is_refused_at_resolution(resolved):
+    """Both spellings: --attn-dp-size 2, and the deprecated --enable-dp-attention --dp-size 2
+    (resolution folds it into attn_dp_size and leaves enable_dp_attention false)."""
+    for case in ("adapt dp attention", "adapt attn dp size"):
+        result, _ = resolved[case]
+        assert result.startswith(f"ERROR UnsupportedSetupError {DP_ATTENTION_REFUSED}"), (case, result)
+
+
+@pytest.mark.multirank
+def test_adaptation_under_dp_attention_is_refused_where_the_adapter_is_built():
+    """Past the launcher (an Engine, the drop-in worker), every rank refuses when it builds the
+    adapter, with the same agreed error, instead of hanging at the first decision an idle DP rank
+    skips: a real TP=2 group with 2 attention-DP ranks."""
+    payload = {"vocab": 1000, "hidden": 32, "hot": list(range(0, 1000, 7))}
+    errors = run_tp_group(rank_cases_adapt.adapter_refusal, 2, payload,
+                          server_args={"enable_dp_attention": True, "dp_size": 2})  # fmt: skip
+    assert len(errors) == 2  # without DP attention it builds (tests/test_adapt.py, the FP8 head)
+    for error in errors:
+        assert error.startswith(f"[sglang-frspec, TP rank 0 of 2] {DP_ATTENTION_REFUSED}"), error

@@ -4,10 +4,14 @@ Every ``SGLANG_FRSPEC_ADAPT_INTERVAL`` verify steps (counted by the coverage hoo
 of the group alike), TP rank 0 decides from the decayed counts of the committed tokens which ids
 swap, and every rank applies the same decision before the next forward pass: ``hot_token_id`` and
 the rows of its hot head are rewritten **in place** (same tensors, same addresses, so SGLang's
-captured draft graphs stay valid), each new row read from the rank's own vocab shard (local
-layout, or one rank: no rows cross ranks). The plan's hot ids are the same ids (rewritten with
-them), so a weight-update refresh rebuilds the current set. Coverage counts the current set too:
-its counter holds ``hot_token_id`` itself.
+captured draft graphs stay valid). Each new row is read from the vocab shard that holds it (a
+quantized head's dequantized, as at start-up) and, under the balanced layout, sent to the rank
+that computes its position in bounded steps that every rank joins (``place_hot_rows``). The
+plan's hot ids are the same ids (rewritten with them), so a weight-update refresh rebuilds the
+current set.
+
+Every rank must run every decision, so what the launcher refuses (a PD node, DP attention, where
+an idle rank skips the verify hook) is checked again here, on every rank, with one agreed error.
 """
 
 from __future__ import annotations
@@ -16,12 +20,15 @@ import logging
 import time
 
 import torch
-from sglang.srt.runtime_context import get_parallel
+from sglang.srt.runtime_context import get_disagg, get_parallel
 
-from sglang_frspec.core import UnsupportedSetupError
-from sglang_frspec.core.adapt import Swaps, apply_swaps_to_local_head, choose_swaps, decay_scores, swap_groups
+from sglang_frspec.adapters.head import hot_row_reader
+from sglang_frspec.adapters.pd import PD_MODES
+from sglang_frspec.adapters.worker import FrSpecDraftHead, agree_across_ranks
+from sglang_frspec.core import UnsupportedSetupError, canonical_hot_ids
+from sglang_frspec.core.adapt import Swaps, check_adaptation_setup, choose_swaps, decay_scores, swap_groups
 from sglang_frspec.core.coverage import CommittedTokenCounts
-from sglang_frspec.core.options import ADAPT_ENV, LAYOUT_ENV
+from sglang_frspec.core.gather import place_hot_rows
 
 logger = logging.getLogger(__name__)
 
@@ -31,21 +38,18 @@ SWAPS_PER_DECISION_SHARE = 4  # at most H / 4 ids change per decision
 class HotSetAdapter:
     """One scheduler rank's side of the adaptation (decides on TP rank 0, applies everywhere)."""
 
-    def __init__(self, head, hot_token_id: torch.Tensor, counts: CommittedTokenCounts, interval: int,
-                 protected: tuple[int, ...]):  # fmt: skip
-        module = head.shard.module
-        weight = module.weight
-        plain_rows = (module.num_embeddings_per_partition, module.embedding_dim)
-        if weight.dim() != 2 or tuple(weight.shape) != plain_rows:
-            raise UnsupportedSetupError(
-                f"{ADAPT_ENV}=1 reads a new hot id's row from the target LM head, which holds "
-                f"{weight.dtype} of shape {tuple(weight.shape)} here, not plain rows (a quantized "
-                f"head). Unset {ADAPT_ENV} for this checkpoint."
-            )
+    def __init__(self, head: FrSpecDraftHead, hot_token_id: torch.Tensor, counts: CommittedTokenCounts,
+                 interval: int, protected: tuple[int, ...]):  # fmt: skip
+        hot = canonical_hot_ids(head.plan.hot_ids, counts.vocab_size)  # the map every rank starts from
         try:
-            self.groups = swap_groups(head.plan)
-        except ValueError as e:  # the launcher refuses it first; the drop-in worker gets here
-            raise UnsupportedSetupError(f"{ADAPT_ENV}=1 needs {LAYOUT_ENV}=local at TP > 1 ({e}).") from e
+            mode = get_disagg().disaggregation_mode
+            check_adaptation_setup(mode if mode in PD_MODES else None, get_parallel().attn_dp_size > 1)
+            status = ("ok", hot.digest, len(hot))
+        except UnsupportedSetupError as e:
+            status = ("error", type(e).__name__, str(e))
+        agree_across_ranks(status, get_parallel().tp_group)  # every rank raises, or none
+        self.groups = swap_groups(head.plan)
+        self.read_rows = hot_row_reader(head.shard.module)  # as the start-up head read them
         self.head = head
         self.hot_token_id = hot_token_id
         self.counts = counts
@@ -109,7 +113,8 @@ class HotSetAdapter:
         if plan_ids.data_ptr() != self.hot_token_id.data_ptr():  # on the CPU they are one tensor
             plan_ids.index_copy_(0, swaps.positions, swaps.ids_in)
         head, shard = self.head, self.head.shard
-        apply_swaps_to_local_head(head.local_head, shard.module.weight, head.plan, shard.rank, swaps)
+        place_hot_rows(self.read_rows, swaps.ids_in, head.plan, shard.rank, shard.all_gather, head.local_head,
+                       positions=swaps.positions)  # fmt: skip
         self.swapped += len(swaps)
 
     def _log(self, decision: dict, seconds: float) -> None:

@@ -9,9 +9,11 @@ import torch
 from sglang.srt.arg_groups.model_override_base import resolving_view
 
 from sglang_frspec.adapters.hooks import ON_WORKER, hooked_targets
+from sglang_frspec.adapters.pd import PD_MODES
 from sglang_frspec.adapters.token_map import load_token_map_ids
 from sglang_frspec.core import UnsupportedSetupError, canonical_hot_ids, check_hot_ids_cover_topk
-from sglang_frspec.core.options import ADAPT_ENV, LAYOUT_ENV, FrSpecOptions
+from sglang_frspec.core.adapt import check_adaptation_setup
+from sglang_frspec.core.options import FrSpecOptions
 
 logger = logging.getLogger(__name__)
 
@@ -58,29 +60,6 @@ def _check_hooks_active() -> None:
         )
 
 
-def _check_adaptation(cfg, options: FrSpecOptions) -> None:
-    """What SGLANG_FRSPEC_ADAPT=1 cannot serve, refused before any model loads."""
-    if cfg.disaggregation_mode in ("prefill", "decode"):
-        raise UnsupportedSetupError(
-            f"{ADAPT_ENV}=1 cannot serve a prefill/decode deployment: the hot ids would change on "
-            "one node and not on the other, which then reads the hot indices it receives as other "
-            f"tokens. Unset {ADAPT_ENV} on PD nodes."
-        )
-    if cfg.enable_dp_attention:
-        raise UnsupportedSetupError(
-            f"{ADAPT_ENV}=1 cannot be combined with --enable-dp-attention: each attention-DP group "
-            "commits other tokens, so the ranks of the LM head's group would choose different maps. "
-            f"Unset {ADAPT_ENV} or drop --enable-dp-attention."
-        )
-    if cfg.tp_size > 1 and options.layout != "local":
-        raise UnsupportedSetupError(
-            f"{ADAPT_ENV}=1 at --tp-size > 1 needs {LAYOUT_ENV}=local: under the {options.layout} "
-            "layout a new hot id's row lives on another rank than the column that computes it, "
-            f"and adaptation moves no rows between ranks yet. Set {LAYOUT_ENV}=local or unset "
-            f"{ADAPT_ENV}."
-        )
-
-
 def check_speculative_args(server_args, previous: Callable) -> None:
     """Resolution hook on ``handle_speculative_decoding``: reject what cannot work, early."""
     previous(server_args)
@@ -121,8 +100,9 @@ def check_speculative_args(server_args, previous: Callable) -> None:
             "its packed LM head rows cannot be sliced. Use a safetensors checkpoint."
         )
     options = FrSpecOptions.from_env()  # an unknown option fails here, not in every scheduler
-    if options.adapt:
-        _check_adaptation(cfg, options)
+    if options.adapt:  # every scheduler checks it again where it builds the adapter
+        mode = cfg.disaggregation_mode
+        check_adaptation_setup(mode if mode in PD_MODES else None, cfg.attn_dp_size > 1)
     ids = load_token_map_ids(token_map)
     if cfg.speculative_eagle_topk is not None:  # resolved by SGLang (the worker checks it again)
         check_hot_ids_cover_topk(int(torch.unique(ids).numel()), cfg.speculative_eagle_topk, source=token_map)

@@ -11,9 +11,8 @@ from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabPara
 from sglang.srt.runtime_context import get_parallel
 
 from sglang_frspec.adapters.quantized_head import check_quantized_head_readable, read_quantized_rows
-from sglang_frspec.core import HotShardPlan, UnsupportedSetupError, build_local_head
-from sglang_frspec.core.gather import AllGather
-from sglang_frspec.core.plan import plan_over_owned_rows
+from sglang_frspec.core import HotShardPlan, UnsupportedSetupError
+from sglang_frspec.core.gather import AllGather, RowReader, place_hot_rows, shard_row_reader
 
 _SLICEABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PLAIN_HEAD_TENSORS = {"weight", "bias"}  # an unquantized head (its bias is not used for logits)
@@ -113,19 +112,33 @@ def _quantization_tensors(module: VocabParallelEmbedding) -> list[str]:
     return sorted(names - _PLAIN_HEAD_TENSORS)
 
 
+def hot_row_reader(module: VocabParallelEmbedding) -> RowReader:
+    """Reads rows of this rank's vocab shard of a head ``check_head_supported`` accepted, into the
+    destination's dtype: a plain head's rows as they are, a quantized head's dequantized."""
+    if not _quantization_tensors(module):
+        return shard_row_reader(module.weight)
+
+    def read(rows: torch.Tensor, dest: torch.Tensor) -> None:
+        dest.copy_(read_quantized_rows(module, rows, dest.dtype))
+
+    return read
+
+
 def build_hot_head(
     shard: HeadShard, plan: HotShardPlan, dtype: torch.dtype, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """This rank's hot head (``build_local_head``; ``out`` is refilled in place).
+    """This rank's hot head (as ``build_local_head``; ``out`` is refilled in place).
 
     A plain head's rows are taken as they are (in the head's dtype, as stock). A quantized head
-    has only the hot rows this rank owns dequantized, into ``dtype``, never its whole shard.
+    has only the hot rows this rank owns dequantized, into ``dtype``, a chunk at a time, never
+    its whole shard.
     """
     module = shard.module
-    if not _quantization_tensors(module):
-        return build_local_head(module.weight, plan, shard.rank, shard.all_gather, out=out)
-    owned = read_quantized_rows(module, plan.owned_rows(shard.rank), dtype)
-    return build_local_head(owned, plan_over_owned_rows(plan), shard.rank, shard.all_gather, out=out)
+    if out is None:
+        dtype = dtype if _quantization_tensors(module) else module.weight.dtype
+        out = module.weight.new_zeros((plan.width, module.embedding_dim), dtype=dtype)
+    place_hot_rows(hot_row_reader(module), plan.hot_ids, plan, shard.rank, shard.all_gather, out)
+    return out
 
 
 def quantized_head_bytes(module: VocabParallelEmbedding) -> int | None:

@@ -8,9 +8,13 @@ vocab range its ids must come from), an id outside the map replaces the weakest 
 that id's by a margin; protected ids (EOS) never leave. The number of hot ids, every group's
 share of positions and every tensor's shape stay fixed: a swap rewrites one position in place.
 
-Groups are what keeps the rows local: under the local layout rank r computes the hot positions
-of its own vocab shard, so a swap group is (rank r's positions, rank r's vocab range) and the new
-row is one the rank already holds. With one rank, the whole map is one group.
+Groups say where a new id's row can come from. Under the balanced layout (and on one rank) the
+whole map is one group over the whole vocab: any id can take any hot position, and the rank whose
+vocab shard holds its row sends it to the rank that computes the position (``place_hot_rows``).
+Under the local layout rank r computes the hot positions of its own vocab shard and exchanges no
+rows, so a swap group is (rank r's positions, rank r's vocab range): each rank's number of hot
+positions stays what the start-up map gave it, and traffic that moves into a shard with no weak
+ids to replace cannot be followed there.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_frspec.core.errors import UnsupportedSetupError
+from sglang_frspec.core.options import ADAPT_ENV
 from sglang_frspec.core.plan import HotShardPlan
 
 SCORE_SHIFT = 16  # fraction bits of a score
@@ -47,12 +53,28 @@ class Swaps:
         return int(self.positions.numel())
 
 
+def check_adaptation_setup(pd_mode: str | None, dp_attention: bool) -> None:
+    """Refuse the setups whose ranks could not run every decision together: a prefill or
+    decode node (``pd_mode``), DP attention. The launcher and every scheduler check it."""
+    if pd_mode is not None:
+        raise UnsupportedSetupError(
+            f"{ADAPT_ENV}=1 cannot serve a prefill/decode deployment (this node is {pd_mode}): the "
+            "hot ids would change on one node and not on the other, which then reads the hot "
+            f"indices it receives as other tokens. Unset {ADAPT_ENV} on PD nodes."
+        )
+    if dp_attention:
+        raise UnsupportedSetupError(
+            f"{ADAPT_ENV}=1 cannot be combined with DP attention (--attn-dp-size > 1, or "
+            "--enable-dp-attention): each attention-DP group commits other tokens and an idle one "
+            "runs no verify step, so the ranks of the LM head's group would not decide together "
+            f"(they would hang). Unset {ADAPT_ENV} or serve without DP attention."
+        )
+
+
 def swap_groups(plan: HotShardPlan) -> tuple[SwapGroup, ...]:
-    """Groups whose swaps keep every row on the rank that computes it (local layout, or one rank)."""
-    if plan.tp_size == 1:
-        return (SwapGroup(0, plan.num_hot, (0, plan.shard_ranges[0][1])),)
-    if plan.layout != "local":
-        raise ValueError(f"swaps keep rows local only under the local layout, not {plan.layout!r}")
+    """The swap groups of a plan: one over the whole vocab, or one per rank under the local layout."""
+    if plan.layout != "local" or plan.tp_size == 1:
+        return (SwapGroup(0, plan.num_hot, (0, plan.shard_ranges[-1][1])),)
     return tuple(
         SwapGroup(offset, offset + count, vocab_range)
         for offset, count, vocab_range in zip(plan.offsets, plan.counts, plan.shard_ranges)
@@ -105,17 +127,3 @@ def choose_swaps(
     order = kept_positions.argsort()
     kept_positions, kept_ids = kept_positions[order], kept_ids[order]
     return Swaps(kept_positions, kept_ids, hot_ids[kept_positions])
-
-
-def apply_swaps_to_local_head(
-    local_head: torch.Tensor, shard_weight: torch.Tensor, plan: HotShardPlan, rank: int, swaps: Swaps
-) -> None:
-    """Rewrite, in place, the rows of ``local_head`` whose hot positions this rank computes,
-    from its own ``shard_weight`` (the swaps come from ``swap_groups``: the rows are local)."""
-    first, end = plan.offsets[rank], plan.offsets[rank] + plan.counts[rank]
-    mine = (swaps.positions >= first) & (swaps.positions < end)
-    if not bool(mine.any()):
-        return
-    slots = (swaps.positions[mine] - first).to(local_head.device)
-    rows = (swaps.ids_in[mine] - plan.shard_ranges[rank][0]).to(shard_weight.device)
-    local_head.index_copy_(0, slots, shard_weight.index_select(0, rows).to(local_head.dtype))

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
-from sglang_frspec.core.plan import HotShardPlan, plan_from_ranges
+from sglang_frspec.core.plan import HotShardPlan
 
 AllGather = Callable[[torch.Tensor, torch.Tensor], None] | None  # None: a group of one
 EXCHANGES = ("full", "topk")
@@ -41,7 +41,17 @@ def _gather(local: torch.Tensor, tp_size: int, all_gather: AllGather) -> torch.T
     return out.view(tp_size, *local.shape)
 
 
-BUILD_CHUNK_BYTES = 32 << 20  # transient buffers of one start-up row exchange step
+BUILD_CHUNK_BYTES = 32 << 20  # transient buffers of one row exchange step (start-up, refresh, swaps)
+RowReader = Callable[[torch.Tensor, torch.Tensor], None]  # read(local rows int64, dest [n, hidden])
+
+
+def shard_row_reader(shard_weight: torch.Tensor) -> RowReader:
+    """A reader of plain rows: ``read(rows, dest)`` copies ``shard_weight[rows]`` into ``dest``."""
+
+    def read(rows: torch.Tensor, dest: torch.Tensor) -> None:
+        torch.index_select(shard_weight, 0, rows.to(shard_weight.device), out=dest)
+
+    return read
 
 
 def build_local_head(
@@ -57,62 +67,91 @@ def build_local_head(
 
     ``shard_weight`` is the rank's local rows of the target LM head. Under the local layout the
     rank copies the hot rows it owns; under the balanced layout the owned rows are exchanged in
-    fixed-size steps and the rank keeps its equal slice of the hot order. ``out`` (a previous
-    head) is refilled in place. Unused slots are zero rows, whose logits are never read.
-
-    Apart from the head itself, no step holds more than ``chunk_bytes``: the transient of a
-    start-up (or weight refresh) that runs after the KV cache is allocated stays bounded
-    whatever the skew and the TP size.
+    fixed-size steps and the rank keeps its equal slice of the hot order (``place_hot_rows``).
+    ``out`` (a previous head) is refilled in place. Unused slots are zero rows, whose logits are
+    never read. Apart from the head itself, no step holds more than ``chunk_bytes``.
     """
-    hidden = shard_weight.shape[1]
     if out is None:
-        out = shard_weight.new_zeros((plan.width, hidden))
-    owners = plan if plan.layout == "local" else plan_from_ranges(plan.hot_ids, plan.shard_ranges, "local")
-    rows_per_step = _rows_per_step(plan.tp_size, hidden, shard_weight.element_size(), chunk_bytes)
-    if plan.layout == "local":
-        for first in range(0, plan.counts[rank], rows_per_step):
-            count = min(rows_per_step, plan.counts[rank] - first)
-            _copy_owned_rows(shard_weight, owners, rank, first, out[first : first + count])
-        return out
-    # Step i exchanges slots [i*C, (i+1)*C) of every rank's owned rows (in hot order). Every
-    # rank runs the same number of steps, idle ones included, so no rank waits alone.
-    mine = (plan.offsets[rank], plan.offsets[rank] + plan.counts[rank])
-    # One send and one receive buffer for all steps: a backend that keeps a step's tensors
-    # alive until its work object goes (gloo) cannot make steps pile up.
-    send = shard_weight.new_empty((rows_per_step, hidden))
-    received = send if plan.tp_size == 1 else send.new_empty((plan.tp_size * rows_per_step, hidden))
-    by_rank = received.view(plan.tp_size, rows_per_step, hidden)
-    for first in range(0, owners.width, rows_per_step):
-        count = max(0, min(rows_per_step, owners.counts[rank] - first))
-        _copy_owned_rows(shard_weight, owners, rank, first, send[:count])
-        if plan.tp_size > 1:
-            all_gather(received, send)
-        for source in range(plan.tp_size):
-            # Hot positions that source sent in this step, intersected with this rank's slice.
-            sent_first = owners.offsets[source] + first
-            sent_end = owners.offsets[source] + min(owners.counts[source], first + rows_per_step)
-            lo, hi = max(sent_first, mine[0]), min(sent_end, mine[1])
-            if lo < hi:
-                out[lo - mine[0] : hi - mine[0]] = by_rank[source, lo - sent_first : hi - sent_first]
+        out = shard_weight.new_zeros((plan.width, shard_weight.shape[1]))
+    place_hot_rows(shard_row_reader(shard_weight), plan.hot_ids, plan, rank, all_gather, out,
+                   chunk_bytes=chunk_bytes)  # fmt: skip
     return out
 
 
-def _rows_per_step(tp_size: int, hidden: int, itemsize: int, chunk_bytes: int) -> int:
-    """Rows per exchange step so that its send and receive buffers and row ids fit in chunk_bytes."""
-    per_row = (tp_size + 1) * hidden * itemsize + 8  # + one int64 row id
+def place_hot_rows(
+    read_rows: RowReader,
+    ids: torch.Tensor,
+    plan: HotShardPlan,
+    rank: int,
+    all_gather: AllGather,
+    out: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    chunk_bytes: int = BUILD_CHUNK_BYTES,
+) -> None:
+    """Write the row of ``ids[i]`` at hot position ``positions[i]`` (default ``i``; ascending)
+    into ``out``, this rank's hot head, for every position this rank computes. Every rank calls
+    it with the same CPU ``ids`` and ``positions``, which need not be sorted by id.
+
+    The rank whose vocab shard holds an id reads its row (``read_rows(local rows, dest)``).
+    Under the balanced layout it sends the row to the rank that computes the position: step s
+    all-gathers every rank's owned rows ``[s*C, (s+1)*C)`` (in the order of ``ids``), the same
+    number of steps on every rank, idle ones included, so no rank waits alone. Under the local
+    layout (and on one rank) a rank computes only positions whose ids it holds: no collective.
+    Apart from ``out``, no step holds more than ``chunk_bytes``, whatever the skew and the TP
+    size: the transient of a start-up or refresh that runs after the KV cache is allocated, or of
+    an adaptive decision, stays bounded.
+    """
+    exchange = plan.layout != "local" and plan.tp_size > 1
+    sources = range(plan.tp_size) if exchange else range(rank, rank + 1)
+    owned = [int(((ids >= s) & (ids < e)).sum()) for s, e in (plan.shard_ranges[r] for r in sources)]
+    hidden = out.shape[1]
+    rows_per_step = min(max(owned), _rows_per_step(len(sources), hidden, out.element_size(), chunk_bytes))
+    if not rows_per_step:
+        return
+    first, end = plan.offsets[rank], plan.offsets[rank] + plan.counts[rank]
+    bounds = torch.tensor([first, end])
+    # One send and one receive buffer for all steps: a backend that keeps a step's tensors
+    # alive until its work object goes (gloo) cannot make steps pile up.
+    send = out.new_empty((rows_per_step, hidden))
+    received = send.new_empty((len(sources) * rows_per_step, hidden)) if exchange else send
+    by_source = received.view(len(sources), rows_per_step, hidden)
+    chunks = [_owned_indices(ids, *plan.shard_ranges[r], rows_per_step) for r in sources]
+    empty = torch.zeros(0, dtype=torch.int64)
+    for _ in range(-(-max(owned) // rows_per_step)):
+        step = [next(chunk, empty) for chunk in chunks]
+        sent = step[rank - sources.start]
+        if sent.numel():
+            read_rows(ids[sent] - plan.shard_ranges[rank][0], send[: sent.numel()])
+        if exchange:
+            all_gather(received, send)
+        for source, indices in enumerate(step):
+            # The positions sent ascend, so the ones this rank computes are one run of them.
+            sent_positions = indices if positions is None else positions[indices]
+            lo, hi = torch.searchsorted(sent_positions, bounds).tolist()
+            if lo < hi:
+                slots = (sent_positions[lo:hi] - first).to(out.device)
+                out.index_copy_(0, slots, by_source[source, lo:hi])
+
+
+def _rows_per_step(sources: int, hidden: int, itemsize: int, chunk_bytes: int) -> int:
+    """Rows per exchange step so that its send and receive buffers and row indices fit in chunk_bytes."""
+    per_row = (sources + 1) * hidden * itemsize + 24 * sources  # + up to three int64 indices per source
     return max(1, chunk_bytes // per_row)
 
 
-def _copy_owned_rows(
-    shard_weight: torch.Tensor, owners: HotShardPlan, rank: int, first: int, dest: torch.Tensor
-) -> None:
-    """Copy this rank's owned hot rows [first, first + len(dest)) (in hot order) into dest."""
-    if not dest.shape[0]:
-        return
-    start = owners.offsets[rank] + first
-    ids = owners.hot_ids[start : start + dest.shape[0]]
-    rows = (ids - owners.shard_ranges[rank][0]).to(shard_weight.device)
-    torch.index_select(shard_weight, 0, rows, out=dest)
+def _owned_indices(ids: torch.Tensor, start: int, end: int, size: int) -> Iterator[torch.Tensor]:
+    """Indices i (ascending) of the ids in ``[start, end)``, ``size`` at a time, found by
+    scanning ``size`` ids at a time (so it never holds more than ``2 * size`` indices)."""
+    pending = torch.zeros(0, dtype=torch.int64)
+    for first in range(0, ids.numel(), size):
+        window = ids[first : first + size]
+        pending = torch.cat([pending, torch.nonzero((window >= start) & (window < end)).flatten() + first])
+        if pending.numel() >= size:
+            yield pending[:size]
+            pending = pending[size:]
+    if pending.numel():
+        yield pending
 
 
 def merge_topk_packets(rank_major: torch.Tensor, k: int, num_hot: int) -> torch.Tensor:

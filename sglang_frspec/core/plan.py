@@ -10,7 +10,8 @@ Layouts:
   local     rank r computes the hot ids inside its own vocab shard (rows it already holds);
             counts follow the map's skew, width = max count rounded up to 8.
   balanced  every rank computes ceil(H/tp) or floor(H/tp) hot columns (at most one padding
-            slot per rank), whatever the skew; rows are exchanged once at start-up.
+            slot per rank), whatever the skew; rows are exchanged at start-up (and, with
+            SGLANG_FRSPEC_ADAPT=1, the swapped-in rows at each decision).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def vocab_shard_ranges(
 class HotShardPlan:
     """Assignment of canonical hot ids to the ranks of the group that shards the LM head."""
 
-    hot_ids: torch.Tensor  # int64 [H], ascending; logits column j is token hot_ids[j]
+    hot_ids: torch.Tensor  # int64 [H], ascending (until adaptation swaps); column j is token hot_ids[j]
     shard_ranges: tuple[tuple[int, int], ...]  # vocab range of each rank's head shard
     layout: str
     counts: tuple[int, ...]  # hot columns each rank computes
@@ -185,16 +186,3 @@ def plan_hot_shards(
     ids = torch.as_tensor(hot_ids, dtype=torch.int64)
     hot = canonical_hot_ids(ids, vocab_size).ids
     return plan_from_ranges(hot, vocab_shard_ranges(vocab_size, tp_size, padding_size), layout)
-
-
-def plan_over_owned_rows(plan: HotShardPlan) -> HotShardPlan:
-    """The same assignment of hot columns, over a head whose rank r shard is only the hot rows
-    it owns, in hot order (``plan.owned_rows(r)`` of the real shard, e.g. dequantized).
-
-    Hot ids become hot positions and rank r's vocab range becomes the positions of the ids it
-    owns, so counts, offsets and width are the plan's own and ``build_local_head`` over these
-    owned rows builds the head it would build over the whole shard.
-    """
-    starts = (0, *accumulate(plan.owned_counts))
-    ranges = tuple(zip(starts[:-1], starts[1:]))
-    return plan_from_ranges(torch.arange(plan.num_hot), ranges, plan.layout)
