@@ -149,7 +149,8 @@ def test_a_captured_draft_step_replays_the_adapted_map_after_an_in_place_swap():
     captured before the swap (GEMM, exchange, top-k, the map to token ids, as SGLang's draft
     graph holds them) must replay exactly what an eager step computes after it."""
     from sglang_frspec.core import plan_from_ranges, vocab_shard_ranges
-    from sglang_frspec.core.adapt import SCORE_SHIFT, apply_swaps_to_local_head, choose_swaps, swap_groups
+    from sglang_frspec.core.adapt import SCORE_SHIFT, choose_swaps, swap_groups
+    from sglang_frspec.core.gather import place_hot_rows, shard_row_reader
 
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(7)
@@ -175,7 +176,10 @@ def test_a_captured_draft_step_replays_the_adapted_map_after_an_in_place_swap():
     assert len(swaps) == 512
     addresses = (head.data_ptr(), hot_token_id.data_ptr())
     hot_token_id.index_copy_(0, swaps.positions.to(device), swaps.ids_in.to(device))
-    apply_swaps_to_local_head(head, full, plan, 0, swaps)
+    # As the adapter applies a decision: positions and ids on the host, rows read on the device.
+    place_hot_rows(
+        shard_row_reader(full), swaps.ids_in.cpu(), plan, 0, None, head, positions=swaps.positions.cpu()
+    )
     assert (head.data_ptr(), hot_token_id.data_ptr()) == addresses
     graph.replay()
     torch.cuda.synchronize()
