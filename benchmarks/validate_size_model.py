@@ -44,6 +44,7 @@ from sglang_frspec.demo.server import SGLangServer  # noqa: E402
 from sglang_frspec.maps import TokenCounts  # noqa: E402
 from sglang_frspec.maps.sizing import estimate_sizes  # noqa: E402
 from tests.harness.trained import MAP_SIZES, trained_fixture  # noqa: E402
+from tests.harness.zygote import forked_launch  # noqa: E402
 
 DOMAINS = ("code", "prose")
 NO_MAP = "EAGLE, no map"
@@ -74,7 +75,7 @@ def eagle_server(fixture, token_map: str, args: argparse.Namespace, log: Path, e
     cli += eagle_args(
         fixture.draft, fixture_map(fixture, token_map), steps=steps, topk=topk, draft_tokens=draft_tokens
     )
-    return SGLangServer(cli, cpu_env(1, with_plugin=True, base=os.environ | env), log)
+    return SGLangServer(cli, cpu_env(1, with_plugin=True, base=os.environ | env), log, launch=forked_launch)
 
 
 def generate(server: SGLangServer, prompts: list, args: argparse.Namespace) -> list[dict]:
