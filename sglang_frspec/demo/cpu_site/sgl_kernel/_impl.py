@@ -244,6 +244,18 @@ def decode_attention_cpu(
         o[b] = out[0].to(o.dtype)
 
 
+def _with_prefix(cached: torch.Tensor, new: torch.Tensor, what: str) -> torch.Tensor:
+    """A request's prefix rows from the cache followed by its new tokens' rows (cache dtype)."""
+    if cached.shape[0] == 0:  # no prefix: the new rows may be shaped unlike the cache's (MHA over MLA)
+        return new.to(cached.dtype)
+    if cached.shape[1:] != new.shape[1:]:
+        raise RuntimeError(
+            f"extend_attention_cpu stand-in: the new tokens' {what}s {tuple(new.shape[1:])} do not "
+            f"match the cache's {tuple(cached.shape[1:])} under a prefix"
+        )
+    return torch.cat([cached, new.to(cached.dtype)])
+
+
 def extend_attention_cpu(
     q_extend,
     k_extend,
@@ -283,14 +295,14 @@ def extend_attention_cpu(
     for req, seq_len, ext, start in requests:
         prefix = seq_len - ext
         if k_extend is not None:
+            # The new tokens' keys and values go by their own head sizes (q's and o's), not the
+            # cache's: DeepSeek's MHA prefill (no prefix) hands H_tp heads of nope+rope keys and
+            # v_head_dim values while each cache row holds the MLA latent (kv_lora + rope).
             prefix_idx = req_to_token[req, :prefix].long()
-            shape = (ext, *k_buffer.shape[1:])
-            keys = torch.cat(
-                [k_buffer[prefix_idx], k_extend[start : start + ext].reshape(shape).to(k_buffer.dtype)]
-            )
-            values = torch.cat(
-                [v_buffer[prefix_idx], v_extend[start : start + ext].reshape(shape).to(v_buffer.dtype)]
-            )
+            new_keys = k_extend[start : start + ext].reshape(ext, -1, q_extend.shape[-1])
+            new_values = v_extend[start : start + ext].reshape(ext, -1, o_extend.shape[-1])
+            keys = _with_prefix(k_buffer[prefix_idx], new_keys, "key")
+            values = _with_prefix(v_buffer[prefix_idx], new_values, "value")
         else:
             idx = req_to_token[req, :seq_len].long()
             keys, values = k_buffer[idx], v_buffer[idx]

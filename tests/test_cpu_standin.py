@@ -1,0 +1,157 @@
+"""The CPU ``sgl_kernel`` stand-in's attention ops on DeepSeek's MLA shapes, as SGLang 0.5.23's
+intel_amx backend calls them, against an independent einsum reference.
+
+DeepSeek-V2/V3 on the intel_amx backend (no AMX: no fused-rope CPU path) takes three roads
+(``models/deepseek_common/attention_backend_handler.py``, the ``triton`` handler):
+
+- a prefill without prefix runs MHA (``forward_mha.py`` ``forward_normal_*``): keys of H_tp heads
+  of nope+rope, values of H_tp heads of v_head_dim, ``save_kv_cache=False``, over the new tokens;
+  the layer's cache rows hold the latent (kv_lora + rope);
+- every other extend (prefix extend, target verify, draft extend) runs absorbed MLA
+  (``forward_mla.py`` ``forward_absorb_core``): q of H_tp heads of kv_lora+rope, one latent key
+  head, values = the latent's first kv_lora columns (the value buffer is that slice of the cache);
+- decode runs absorbed MLA through ``decode_attention_cpu``, which writes the new latent itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_kernel import _impl
+
+HEADS, NOPE, ROPE, V_DIM, KV_LORA = 2, 32, 16, 32, 64
+POOL = 64
+SCALE = 0.125
+
+
+def mla_cache(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MLA layer's cache (rows of kv_lora + rope, one head) and its value view, as
+    ``MLATokenToKVPool.get_key_buffer`` / ``get_value_buffer`` return them."""
+    key_buffer = torch.randn(POOL, 1, KV_LORA + ROPE, generator=gen)
+    return key_buffer, key_buffer[..., :KV_LORA]
+
+
+def reference(q, keys, values, allowed):
+    """softmax(q·k * scale, masked)·v for one request: q [E, H, D], keys [L, Hk, D], values
+    [L, Hk, Dv], Hk = H or 1 (MLA's one latent head serves every query head), allowed [E, L]."""
+    heads = q.shape[1]
+    keys, values = keys.expand(-1, heads, -1), values.expand(-1, heads, -1)
+    scores = torch.einsum("ehd,lhd->ehl", q, keys) * SCALE
+    probs = scores.masked_fill(~allowed[:, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("ehl,lhd->ehd", probs, values)
+
+
+def batch(ext_lens, prefix_lens, gen):
+    """req_to_token (request b's tokens at distinct random pool rows) and the batch's metadata."""
+    rows = torch.randperm(POOL, generator=gen)
+    req_to_token = torch.zeros(4, POOL, dtype=torch.int32)
+    used = 0
+    for b, (ext, pre) in enumerate(zip(ext_lens, prefix_lens)):
+        req_to_token[b + 1, : pre + ext] = rows[used : used + pre + ext].int()
+        used += pre + ext
+    seq_lens = torch.tensor([e + p for e, p in zip(ext_lens, prefix_lens)], dtype=torch.int64)
+    extend_lens = torch.tensor(ext_lens, dtype=torch.int32)
+    starts = torch.cumsum(torch.tensor([0, *ext_lens[:-1]]), 0).int()
+    return req_to_token, torch.tensor([1, 2], dtype=torch.int64), seq_lens, extend_lens, starts
+
+
+def extend(q, k, v, o, key_buffer, value_buffer, meta, tree_mask=None):
+    req_to_token, req_pool_indices, seq_lens, extend_lens, starts = meta
+    _impl.extend_attention_cpu(
+        q, k, v, o, key_buffer, value_buffer, 1.0, 1.0, req_to_token, req_pool_indices, seq_lens,
+        extend_lens, starts, int(extend_lens.max()), SCALE, 0.0, False, 0, None, None, tree_mask, True,
+    )  # fmt: skip
+
+
+def causal(ext: int, prefix: int) -> torch.Tensor:
+    """[ext, prefix + ext]: the prefix and the new tokens up to each query's own."""
+    return torch.arange(prefix + ext)[None, :] <= (prefix + torch.arange(ext))[:, None]
+
+
+def test_mha_prefill_over_an_mla_cache_attends_over_the_new_tokens():
+    """DeepSeek's MHA prefill: keys/values shaped unlike the cache rows, no prefix."""
+    gen = torch.Generator().manual_seed(0)
+    ext_lens = [3, 5]
+    n = sum(ext_lens)
+    q = torch.randn(n, HEADS, NOPE + ROPE, generator=gen)
+    k = torch.randn(n, HEADS, NOPE + ROPE, generator=gen)
+    v = torch.randn(n, HEADS, V_DIM, generator=gen)
+    key_buffer, value_buffer = mla_cache(gen)
+    o = torch.full((n, HEADS, V_DIM), float("nan"))
+    extend(q, k, v, o, key_buffer, value_buffer, batch(ext_lens, [0, 0], gen))
+    start = 0
+    for ext in ext_lens:
+        rows = slice(start, start + ext)
+        expected = reference(q[rows], k[rows], v[rows], causal(ext, 0))
+        torch.testing.assert_close(o[rows], expected, rtol=1e-5, atol=1e-5)
+        start += ext
+
+
+def absorbed(gen, ext_lens, prefix_lens):
+    """Absorbed-MLA extend inputs: q over the latent, one latent key head per new token, written
+    to the cache first (``set_kv_buffer``), values the latent's first kv_lora columns."""
+    meta = batch(ext_lens, prefix_lens, gen)
+    n = sum(ext_lens)
+    q = torch.randn(n, HEADS, KV_LORA + ROPE, generator=gen)
+    k = torch.randn(n, 1, KV_LORA + ROPE, generator=gen)
+    key_buffer, value_buffer = mla_cache(gen)
+    req_to_token, _, _, _, starts = meta
+    for b, (ext, pre, start) in enumerate(zip(ext_lens, prefix_lens, starts.tolist())):
+        key_buffer[req_to_token[b + 1, pre : pre + ext].long()] = k[start : start + ext]
+    return q, k, key_buffer, value_buffer, meta
+
+
+@pytest.mark.parametrize("prefix_lens", [[4, 7], [0, 2]], ids=["prefix", "one-without-prefix"])
+def test_absorbed_mla_extend_reads_values_by_the_value_buffer(prefix_lens):
+    """Prefix extend / draft extend / chain verify: causal over prefix + new latent rows."""
+    gen = torch.Generator().manual_seed(1)
+    ext_lens = [3, 4]
+    q, k, key_buffer, value_buffer, meta = absorbed(gen, ext_lens, prefix_lens)
+    o = torch.full((sum(ext_lens), HEADS, KV_LORA), float("nan"))
+    extend(q, k, k[..., :KV_LORA], o, key_buffer, value_buffer, meta)
+    req_to_token, _, seq_lens, _, starts = meta
+    for b, (ext, pre, start) in enumerate(zip(ext_lens, prefix_lens, starts.tolist())):
+        latent = key_buffer[req_to_token[b + 1, : pre + ext].long()]
+        rows = slice(start, start + ext)
+        expected = reference(q[rows], latent, latent[..., :KV_LORA], causal(ext, pre))
+        torch.testing.assert_close(o[rows], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_absorbed_mla_tree_verify_follows_the_tree_mask():
+    """Target verify of a draft tree (topk > 1): each draft token sees the prefix and its ancestors."""
+    gen = torch.Generator().manual_seed(2)
+    ext_lens, prefix_lens = [4, 4], [5, 3]
+    q, k, key_buffer, value_buffer, meta = absorbed(gen, ext_lens, prefix_lens)
+    # root, two children of the root, a child of the first child
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    tree_mask = torch.cat([tree.flatten(), tree.flatten()])
+    o = torch.full((sum(ext_lens), HEADS, KV_LORA), float("nan"))
+    extend(q, k, k[..., :KV_LORA], o, key_buffer, value_buffer, meta, tree_mask)
+    req_to_token, _, _, _, starts = meta
+    for b, (ext, pre, start) in enumerate(zip(ext_lens, prefix_lens, starts.tolist())):
+        latent = key_buffer[req_to_token[b + 1, : pre + ext].long()]
+        allowed = torch.cat([torch.ones(ext, pre, dtype=torch.bool), tree], dim=1)
+        rows = slice(start, start + ext)
+        expected = reference(q[rows], latent, latent[..., :KV_LORA], allowed)
+        torch.testing.assert_close(o[rows], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_absorbed_mla_decode_writes_the_latent_and_attends_over_it():
+    """Decode: the kernel stores the new latent row (key and its value slice) and attends."""
+    gen = torch.Generator().manual_seed(3)
+    meta = batch([1, 1], [6, 2], gen)
+    req_to_token, req_pool_indices, seq_lens, _, _ = meta
+    q = torch.randn(2, HEADS, KV_LORA + ROPE, generator=gen)
+    k = torch.randn(2, 1, KV_LORA + ROPE, generator=gen)
+    key_buffer, value_buffer = mla_cache(gen)
+    loc = torch.stack([req_to_token[b + 1, int(seq_lens[b]) - 1] for b in range(2)]).long()
+    o = torch.full((2, HEADS, KV_LORA), float("nan"))
+    _impl.decode_attention_cpu(
+        q, key_buffer, value_buffer, 1.0, 1.0, o, k, k[..., :KV_LORA], loc, None, req_to_token,
+        req_pool_indices, seq_lens, SCALE, 0.0, False, 0, None, None,
+    )  # fmt: skip
+    torch.testing.assert_close(key_buffer[loc], k)
+    for b in range(2):
+        latent = key_buffer[req_to_token[b + 1, : int(seq_lens[b])].long()]
+        expected = reference(q[b : b + 1], latent, latent[..., :KV_LORA], causal(1, int(seq_lens[b]) - 1))
+        torch.testing.assert_close(o[b : b + 1], expected, rtol=1e-5, atol=1e-5)
