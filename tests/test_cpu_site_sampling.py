@@ -1,0 +1,214 @@
+"""The CPU stand-in's sampling-verify ops (``cpu_site/sgl_kernel/_sampling.py``) against the originals.
+
+- ``chain_speculative_sampling_triton``: SGLang's own Triton kernel, run by Triton's interpreter
+  (``TRITON_INTERPRET=1``, in a child process: the variable is read when triton compiles the
+  decorator, so setting it here would leak into every other test of this process) on the same
+  inputs and fixed uniforms; every output must be identical.
+- ``tree_speculative_sampling_target_only`` (a CUDA kernel): against an independent reference of
+  its documented semantics, written over a parent list in numpy float32.
+
+The stand-in file is loaded by path: importing the ``sgl_kernel`` stand-in package would install
+its import hook into this process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_frspec.demo.cpu import CPU_SITE
+
+pytest.importorskip("triton")
+
+SAMPLING = CPU_SITE / "sgl_kernel" / "_sampling.py"
+_spec = importlib.util.spec_from_file_location("frspec_cpu_site_sampling", SAMPLING)
+ops = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ops)
+
+TRITON_CHILD = """
+import importlib.util, sys, torch
+root = importlib.util.find_spec("sglang").submodule_search_locations[0]  # no SGLang import: only triton
+path = root + "/kernels/ops/speculative/reject_sampling.py"
+spec = importlib.util.spec_from_file_location("reject_sampling", path)
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+cases = torch.load(sys.argv[1])
+for case in cases:
+    mod.chain_speculative_sampling_triton(*case["args"], block_verification=case["block"])
+torch.save(cases, sys.argv[2])
+"""
+
+
+def _outputs(batch: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """predicts, accept_index, accept_token_num, filled with sentinels the kernels overwrite."""
+    return (
+        torch.full((batch * slots,), -7, dtype=torch.int32),
+        torch.full((batch, slots), -1, dtype=torch.int32),
+        torch.full((batch,), -3, dtype=torch.int32),
+    )
+
+
+def _chain_cases() -> list[dict]:
+    """Chains where the draft is the target, is far from it, and is zero off a hot set (a map)."""
+    g = torch.Generator().manual_seed(36)
+    batch, slots, vocab = 24, 4, 40
+    cases = []
+    for kind in ("equal", "random", "hot"):
+        for block in (False, True):
+            target = torch.softmax(2 * torch.randn(batch, slots, vocab, generator=g), -1)
+            if kind == "equal":
+                draft = target[:, :-1].clone()
+            else:
+                draft = torch.softmax(2 * torch.randn(batch, slots - 1, vocab, generator=g), -1)
+            if kind == "hot":  # q is zero outside 12 hot ids; some targets are zero off another set
+                draft[..., 12:] = 0
+                draft /= draft.sum(-1, keepdim=True)
+                target[: batch // 2, :, 30:] = 0
+                target /= target.sum(-1, keepdim=True)
+            tokens = torch.multinomial(torch.cat([draft, target[:, -1:]], 1).view(-1, vocab), 1, generator=g)
+            candidates = tokens.view(batch, slots)
+            if kind == "hot":  # some proposals outside the hot set: q == 0 there
+                candidates[::5, 2] = 35
+            retrive = torch.arange(batch * slots).view(batch, slots)
+            coins = torch.rand(batch, slots, generator=g)
+            final = torch.rand(batch, generator=g)
+            args = (
+                *_outputs(batch, slots),
+                candidates,
+                retrive,
+                retrive.clone(),
+                retrive.clone(),
+                coins,
+                final,
+                target,
+                draft,
+                1.0,
+                1.0,
+                True,
+            )
+            cases.append({"args": args, "block": block, "name": f"{kind}, block={block}"})
+    return cases
+
+
+def test_chain_sampling_matches_triton_kernel(tmp_path: Path):
+    cases = _chain_cases()
+    torch.save(cases, tmp_path / "in.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", TRITON_CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    kernel = torch.load(tmp_path / "out.pt")
+    accepted = set()
+    for case, ran in zip(cases, kernel):
+        ops.chain_speculative_sampling_triton(*case["args"], block_verification=case["block"])
+        for name, mine, theirs in zip(
+            ("predicts", "accept_index", "accept_token_num"), case["args"], ran["args"]
+        ):
+            assert torch.equal(mine, theirs), (case["name"], name, mine, theirs)
+        accepted |= set(case["args"][2].tolist())
+    assert accepted == {0, 1, 2, 3}, accepted  # every accept length is exercised
+
+
+def _tree(parents: list[int], batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """retrive_index / next_token / next_sibling of a tree given by parent list (siblings in id order)."""
+    n = len(parents)
+    next_token = torch.full((batch, n), -1, dtype=torch.int64)
+    next_sibling = torch.full((batch, n), -1, dtype=torch.int64)
+    for child in range(n - 1, 0, -1):  # prepend, so the first child is the lowest id
+        next_sibling[:, child] = next_token[:, parents[child]]
+        next_token[:, parents[child]] = child
+    depth = [0] * n
+    for child in range(1, n):
+        depth[child] = depth[parents[child]] + 1
+    return torch.arange(batch * n).view(batch, n), next_token, next_sibling, max(depth) + 1
+
+
+def _reference_tree(parents, tokens, target, coins, final, t_single, t_acc, num_spec):
+    """Documented semantics: from the root, try each node's children in order; a child is accepted if
+    its target prob is positive and (the coin is below the target mass of the children tried so far
+    / t_acc, or its prob >= t_single); a rejected child's prob is recorded as draft mass. The bonus
+    token is drawn by inverse CDF (first running sum > u) from relu(target - recorded mass) at the
+    last accepted node, or from the target after a path of full depth."""
+    target = target.numpy()
+    draft = np.zeros_like(target)
+    children = {i: [c for c in range(len(parents)) if parents[c] == i] for i in range(len(parents))}
+    path, node, mass, coin = [0], 0, np.float32(0), np.float32(coins[0])
+    t_acc = np.float32(max(t_acc, 1e-9))
+    while children[node] and len(path) < num_spec:
+        chosen = None
+        for child in children[node]:
+            p = target[node, tokens[child]]
+            mass = np.float32(mass + p)
+            if p > 0 and (coin < np.float32(mass / t_acc) or p >= np.float32(t_single)):
+                chosen = child
+                break
+            draft[node, tokens[child]] = p
+        if chosen is None:
+            break
+        path.append(chosen)
+        node, mass, coin = chosen, np.float32(0), np.float32(coins[chosen])
+    residual = target[node] if len(path) == num_spec else np.maximum(target[node] - draft[node], 0)
+    u = np.float32(final) * residual.sum(dtype=np.float32)
+    above = np.nonzero(np.cumsum(residual, dtype=np.float32) > u)[0]
+    positive = np.nonzero(residual > 0)[0]
+    bonus = above[0] if above.size else (positive[-1] if positive.size else len(residual) - 1)
+    return path, [tokens[c] for c in path[1:]] + [int(bonus)], draft
+
+
+@pytest.mark.parametrize("thresholds", [(1.0, 1.0), (0.3, 0.6)])
+def test_tree_target_only_matches_documented_semantics(thresholds):
+    g = torch.Generator().manual_seed(7)
+    parents = [-1, 0, 0, 0, 1, 1, 2, 4, 4]
+    batch, vocab = 64, 12
+    n = len(parents)
+    retrive, next_token, next_sibling, num_spec = _tree(parents, batch)
+    target = torch.softmax(3 * torch.randn(batch, n, vocab, generator=g), -1)
+    target[::3, :, 9:] = 0  # some candidates have no target mass
+    target /= target.sum(-1, keepdim=True)
+    candidates = torch.randint(0, vocab, (batch, n), generator=g)
+    coins, final = torch.rand(batch, n, generator=g), torch.rand(batch, generator=g)
+    predicts, accept_index, accept_num = _outputs(batch, n)
+    accept_index = accept_index[:, :num_spec].contiguous()
+    draft = torch.zeros_like(target)
+    ops.tree_speculative_sampling_target_only(
+        predicts,
+        accept_index,
+        accept_num,
+        candidates,
+        retrive,
+        next_token,
+        next_sibling,
+        coins,
+        final,
+        target,
+        draft,
+        *thresholds,
+    )
+    lengths = set()
+    for b in range(batch):
+        path, committed, ref_draft = _reference_tree(
+            parents,
+            candidates[b].tolist(),
+            target[b],
+            coins[b].tolist(),
+            float(final[b]),
+            *thresholds,
+            num_spec,
+        )
+        assert accept_num[b] == len(path) - 1, b
+        assert accept_index[b].tolist() == [b * n + c for c in path] + [-1] * (num_spec - len(path)), b
+        assert [int(predicts[b * n + c]) for c in path] == committed, b
+        assert np.array_equal(draft[b].numpy(), ref_draft), b
+        lengths.add(len(path) - 1)
+    assert lengths == set(range(num_spec)), lengths  # every accept length is exercised
