@@ -235,3 +235,38 @@ def degenerate_rows(payload: dict) -> dict:
             out[(layout, exchange)] = {"logits": logits, "picked": picked, "counts": plan.counts,
                                        "exchange": processor.exchange}  # fmt: skip
     return out
+
+
+def exchange_ties(payload: dict) -> dict:
+    """Both exchanges of given hot logits on this group, and the draft's picks from each.
+
+    ``payload["logits"]`` is ``[rows, H]`` float32 over the canonical hot ids ``payload["ids"]``
+    (ties, NaN, -inf: values no GEMM of a random head would give). Each rank takes the columns
+    its plan computes, as its head GEMM would, and runs ``HotLogitsExchange.full`` and ``.topk``
+    over SGLang's group. Per (layout, k): both [rows, H] results and, from each, SGLang's picks
+    for EAGLE's top-k (``renorm_draft_probs`` + ``fast_topk``) and the CPU top-1 argmax.
+    """
+    from sglang.srt.speculative.spec_utils import renorm_draft_probs
+    from sglang.srt.utils.common import fast_topk
+
+    from sglang_frspec.adapters.head import describe_head_shard
+    from sglang_frspec.core import HotLogitsExchange, plan_from_ranges
+
+    target, _ = _target_head(payload["vocab"], 16, torch.float32, seed=0)
+    shard = describe_head_shard(target)
+    logits, hot = payload["logits"], torch.tensor(payload["ids"])
+    out = {"rank": shard.rank}
+    for layout in ("local", "balanced"):
+        plan = plan_from_ranges(hot, shard.shard_ranges, layout)
+        exchange = HotLogitsExchange(plan, shard.rank)
+        local = torch.zeros(logits.shape[0], plan.width)
+        local[:, : exchange.count] = logits[:, exchange.offset : exchange.offset + exchange.count]
+        full = exchange.full(local, shard.all_gather)
+        for k in payload["ks"]:
+            merged = exchange.topk(local, k, shard.all_gather)
+            case = {"full": full, "topk": merged}
+            for name in ("full", "topk"):
+                case[f"{name}_picks"] = fast_topk(renorm_draft_probs(case[name], None, False), k, dim=-1)[1]
+                case[f"{name}_argmax"] = torch.argmax(case[name], dim=-1)
+            out[(layout, k)] = case
+    return out

@@ -73,7 +73,66 @@ def assert_same_packet(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
     # Values and ids bit for bit (the int view also tells -0.0 from 0.0); the rest within 1e-5.
     assert got.shape == want.shape and got.dtype == want.dtype == torch.float32
     assert torch.equal(got[:, : 2 * k].view(torch.int32), want[:, : 2 * k].view(torch.int32)), (got, want)
-    torch.testing.assert_close(got[:, 2 * k], want[:, 2 * k], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[:, 2 * k], want[:, 2 * k], rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def special_rows(width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows for the packet's ordering rules: ties on a coarse grid, -0.0 against 0.0, NaN of
+    either sign, a NaN the top-k must take (as -inf), more +inf than k, all NaN."""
+    gen = torch.Generator().manual_seed(width)
+    rows = torch.randn(7, width, generator=gen)
+    rows[0] = torch.randint(0, 4, (width,), generator=gen) * 0.5  # ties in every block
+    rows[1] = -1.0 - torch.rand(width, generator=gen)
+    zeros = torch.tensor([1, 4, 9, width // 2, width - 3, width - 1])
+    rows[1, zeros] = torch.tensor([-0.0, -0.0, -0.0, 0.0, 0.0, 0.0])  # equal floats, -0.0 first
+    rows[2].masked_fill_(torch.rand(width, generator=gen) < 0.3, math.nan)
+    negative_nan = (torch.tensor(-math.inf) * 0.0).item()  # 0 * inf on x86: the sign bit set
+    rows[3].masked_fill_(torch.rand(width, generator=gen) < 0.3, negative_nan)
+    rows[4] = -math.inf
+    rows[4, [0, width - 2]] = torch.tensor([math.nan, 1.0])
+    rows[5, torch.randperm(width, generator=gen)[:12]] = math.inf
+    rows[6] = math.nan
+    return rows.to(dtype).to(DEVICE)
+
+
+def packet_by_definition(local: torch.Tensor, count: int, offset: int, k: int) -> torch.Tensor:
+    """The packet as documented, by a stable sort and float64 sums: the k largest values (NaN as
+    -inf, ties to the lower column, zeros written as 0.0), their hot indices, and the
+    log-sum-exp of the other columns (NaN if the row holds a NaN)."""
+    x = local[:, :count].float().cpu()
+    ranked = x.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :k]
+    kept = order.shape[1]
+    values = torch.full((x.shape[0], k), -math.inf)
+    indices = torch.zeros(x.shape[0], k)
+    top = ranked.gather(1, order)
+    values[:, :kept] = torch.where(top == 0, 0.0, top)
+    indices[:, :kept] = (order + offset).float()
+    rest = torch.logsumexp(x.double().scatter(1, order, -math.inf), dim=1)
+    rest = rest.masked_fill(x.isnan().any(1), math.nan).float()
+    return torch.cat([values, indices, rest[:, None]], dim=1)
+
+
+SPECIAL_CASES = [(301, 299, 5, 4), (4500, 4450, 17, 8)]  # width, count, offset, k: one block, two
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width,count,offset,k", SPECIAL_CASES)
+def test_reference_packet_follows_its_definition(width, count, offset, k, dtype):
+    local = torch.cat([special_rows(width, dtype), hard_rows(4, width, dtype, seed=width)])
+    got = reference_exchange(width, count, offset).topk_packet_reference(local, k)
+    assert_same_packet(got.cpu(), packet_by_definition(local, count, offset, k), k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width,count,offset,k", SPECIAL_CASES)
+def test_topk_packet_orders_ties_nan_and_signed_zeros_as_the_reference(width, count, offset, k, dtype):
+    from sglang_frspec.kernels import topk_packet
+
+    local = special_rows(width, dtype)
+    want = reference_exchange(width, count, offset).topk_packet_reference(local, k)
+    assert_same_packet(topk_packet(local, count, offset, k), want, k)
 
 
 PACKET_CASES = [  # rows, width, count, offset, k

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -42,6 +44,21 @@ def _expected_exchange(requested: str, ids: list[int]) -> str:
     return requested if 0 < TOPK < len(set(ids)) else "full"
 
 
+def nan_as_neg_inf(logits: torch.Tensor) -> torch.Tensor:
+    return logits.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+
+
+def lower_index_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The exchange's rule, computed independently: the k largest logits, ties to the lower hot
+    index, NaN ranked as -inf (a stable sort), as int64 [rows, k] hot indices."""
+    return torch.sort(nan_as_neg_inf(logits), dim=1, descending=True, stable=True).indices[:, :k]
+
+
+def _same_ids(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row: whether two [rows, k] index tensors hold the same set."""
+    return (a.sort(1).values == b.sort(1).values).all(1)
+
+
 def _owned_counts(ids: list[int], ranges) -> list[int]:
     """Distinct ids inside each SGLang shard range, counted directly."""
     distinct = set(ids)
@@ -74,12 +91,12 @@ def _check_group(results: list[dict], tp: int, dtype: str, maps: dict[str, list[
             assert torch.equal(got, results[0][(name, layout, "full")]["logits"]), key
         else:  # the top-k packet must reproduce the full logits' top-k exactly
             full = results[0][(name, layout, "full")]["logits"]
-            want_p, want_i = torch.softmax(full, -1).topk(TOPK, dim=-1)
+            want_i = lower_index_topk(full, TOPK)  # exact ties (common in bf16): the lower index
             got_p, got_i = torch.softmax(got, -1).topk(TOPK, dim=-1)
-            # Same ids, except that exact ties (common in bf16) may break either way.
-            assert torch.equal(full.gather(1, got_i), full.gather(1, want_i)), key
-            assert (got_i == want_i).float().mean() > 0.9, key
-            torch.testing.assert_close(got_p, want_p, rtol=1e-4, atol=1e-6, msg=str(key))
+            assert bool(_same_ids(got_i, want_i).all()), key
+            assert torch.equal(got.gather(1, want_i), full.gather(1, want_i)), key
+            torch.testing.assert_close(got_p, torch.softmax(full, -1).gather(1, got_i), rtol=1e-4, atol=1e-6,
+                                       msg=str(key))  # fmt: skip
         counts = results[0][key]["counts"]
         if layout == "local":  # each rank computes exactly the hot ids of its own shard
             assert list(counts) == _owned_counts(maps[name], results[0]["ranges"]), key
@@ -229,7 +246,12 @@ def test_degenerate_rows_give_every_rank_the_same_in_range_picks():
                 assert torch.equal(other[key]["logits"].nan_to_num(), logits.nan_to_num()), key
                 assert torch.equal(other[key]["picked"], picked), key
             assert picked.shape == (6, TOPK) and bool(((picked >= 0) & (picked < len(hot))).all()), key
-            assert torch.isnan(logits[1]).all(), key
+            # The NaN row: all NaN in the full logits; in the top-k exchange's NaN outside its
+            # top-k (NaN ranks as -inf there). SGLang's softmax is NaN everywhere for both, so
+            # the draft picks the same ids from either.
+            assert bool(torch.softmax(logits[1], -1).isnan().all()), key
+            assert int(logits[1].isnan().sum()) >= len(hot) - TOPK, key
+            assert torch.equal(picked[1], results[0][(layout, "full")]["picked"][1]), key
             # Zero, all -inf and fewer-than-k-finite rows come out as the reference: the top-k
             # packet holds every finite value, and its fill is -inf (0 for the zero row).
             torch.testing.assert_close(logits[[0, 2, 3]], reference[[0, 2, 3]], rtol=1e-5, atol=1e-4,
@@ -239,3 +261,104 @@ def test_degenerate_rows_give_every_rank_the_same_in_range_picks():
             else:  # ordinary rows: the reference's top-k values at their columns
                 want = reference[4:].topk(TOPK, dim=-1)
                 torch.testing.assert_close(logits[4:].gather(1, want.indices), want.values, msg=str(key))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Float tensors as their bits (NaN equals NaN of the same bits), others as they are."""
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _tie_rows(num_hot: int) -> dict[str, torch.Tensor]:
+    """[rows, H] float32 logits where ties, the fill and NaN matter, by kind."""
+    gen = torch.Generator().manual_seed(7)
+
+    def randn(rows: int) -> torch.Tensor:
+        return torch.randn(rows, num_hot, generator=gen)
+
+    def where(rows: torch.Tensor, fraction: float, value: float) -> torch.Tensor:
+        return rows.masked_fill(torch.rand(rows.shape, generator=gen) < fraction, value)
+
+    signed_zero = -1.0 - torch.rand(8, num_hot, generator=gen)  # six zeros on top, both signs
+    for row in signed_zero:
+        row[torch.randperm(num_hot, generator=gen)[:6]] = torch.tensor([0.0, -0.0]).repeat(3)
+    neg_inf = torch.cat([where(randn(10), 0.7, -math.inf), where(randn(4), 0.995, -math.inf)])
+    neg_inf[-1] = -math.inf
+    neg_inf[-1, [3, num_hot - 2]] = 1.5  # two finite logits, fewer than k
+    negative_nan = torch.tensor(-math.inf) * 0.0  # what x86 gives for 0 * inf: a NaN with the sign bit
+    nan = torch.cat([where(randn(4), 0.2, math.nan), where(randn(4), 0.2, negative_nan.item()), randn(4)])
+    nan[-4] = -math.inf
+    nan[-4, [0, 5, 300]] = torch.tensor([math.nan, 1.0, 1.0])  # a NaN the top-k takes (as -inf)
+    nan[-3, 7] = math.nan  # one NaN
+    nan[-2] = math.nan
+    nan[-2, [1, 40]] = 2.0  # NaN but two columns
+    nan[-1] = math.nan  # all NaN
+    return {
+        "bf16": (randn(120) * 2).to(torch.bfloat16).float(),  # exact ties at the k-th in some rows
+        "grid": torch.randint(0, 8, (40, num_hot), generator=gen).float() * 0.25,  # ties everywhere
+        # Near-uniform float32: the fill rounds onto the k-th value, or nearer than softmax resolves.
+        "near_uniform": torch.cat([0.3 + 3e-8 * randn(40), 0.01 + 1e-7 * randn(40)]),
+        "signed_zero": signed_zero,
+        "neg_inf": neg_inf,
+        "nan": nan,
+    }
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_topk_exchange_ties_near_uniform_and_nan_rows(tp):
+    """The top-k exchange against the full one on rows where the choice among equal values or
+    the fill decides: its picks are the k largest logits, ties to the lower hot index (the
+    merge once broke cross-rank ties by rank order), never a fill column (the fill could round
+    onto the k-th value, and softmax merges logits closer than ~1e-7), and NaN rows stay NaN
+    under SGLang's softmax, with the full exchange's picks."""
+    gen = torch.Generator().manual_seed(tp)
+    ids = torch.randperm(VOCAB, generator=gen)[:600].sort().values
+    kinds = _tie_rows(len(ids))
+    logits = torch.cat(list(kinds.values()))
+    kind_of = [name for name, rows in kinds.items() for _ in range(rows.shape[0])]
+    ks = (1, 4)
+    payload = {"vocab": VOCAB, "ids": ids.tolist(), "logits": logits, "ks": ks}
+    results = run_tp_group(rank_cases.exchange_ties, tp, payload)
+    has_nan = logits.isnan().any(1)
+    rule_kth = nan_as_neg_inf(logits).gather(1, lower_index_topk(logits, max(ks)))
+    grid_kinds = torch.tensor([kind in ("bf16", "grid", "signed_zero", "neg_inf") for kind in kind_of])
+    for layout in ("local", "balanced"):
+        for k in ks:
+            case = results[0][(layout, k)]
+            for other in results[1:]:  # bit-identical on every rank, NaNs included
+                for name, value in case.items():
+                    assert torch.equal(_bits(value), _bits(other[(layout, k)][name])), (layout, k, name)
+            assert torch.equal(_bits(case["full"]), _bits(logits))
+            got, rule = case["topk"], lower_index_topk(logits, k)
+            kth = rule_kth[:, k - 1]
+            ordinary = ~has_nan & (kth > -math.inf)
+            # The draft's picks are the rule's ids, with the full logits' values at them.
+            same = _same_ids(case["topk_picks"], rule)
+            assert bool(same[ordinary].all()), (layout, k, [kind_of[i] for i in (~same & ordinary).nonzero()])
+            assert torch.equal(got.gather(1, rule)[~has_nan], logits.gather(1, rule)[~has_nan])
+            # Every other column holds one fill, at least FILL_GAP below the k-th value.
+            fill = got.scatter(1, rule, -math.inf).amax(1)
+            assert bool((fill[ordinary] <= kth[ordinary] - 2**-20).all()), (layout, k)
+            torch.testing.assert_close(torch.softmax(got, -1).gather(1, rule)[ordinary],
+                                       torch.softmax(logits, -1).gather(1, rule)[ordinary],
+                                       rtol=1e-5, atol=1e-9)  # fmt: skip
+            # Fewer than k finite logits: the top-k holds them all, and the row is the full one.
+            assert torch.equal(got[~has_nan & ~ordinary], logits[~has_nan & ~ordinary])
+            # Top-1 (the CPU draft's argmax, first of equal maxima) as the full exchange's.
+            assert torch.equal(case["topk_argmax"][~has_nan], case["full_argmax"][~has_nan]), (layout, k)
+            # Against the full exchange's own top-k: on value grids, the same values, and the same
+            # ids unless values tie at the k-th (torch.topk breaks those ties as it likes).
+            full_picks, picks = case["full_picks"], case["topk_picks"]
+            picked_values = [logits.gather(1, p).sort(1).values for p in (full_picks, picks)]
+            on_grid = grid_kinds & ordinary
+            assert torch.equal(picked_values[0][on_grid], picked_values[1][on_grid]), (layout, k)
+            tied_at_kth = (logits == kth[:, None]).sum(1) > (logits.gather(1, rule) == kth[:, None]).sum(1)
+            assert bool(_same_ids(full_picks, picks)[on_grid & ~tied_at_kth].all()), (layout, k)
+            # NaN rows: NaN outside the top-k (softmax NaN everywhere, as for the full logits), the
+            # top-k of the other values (NaN as -inf) at their columns, and the full exchange's picks.
+            nan_rows = got[has_nan]
+            rule_nan = rule[has_nan]
+            assert torch.equal(nan_rows.gather(1, rule_nan),
+                               nan_as_neg_inf(logits[has_nan]).gather(1, rule_nan))  # fmt: skip
+            assert bool(nan_rows.scatter(1, rule_nan, math.nan).isnan().all()), (layout, k)
+            assert bool(torch.softmax(nan_rows, -1).isnan().all()), (layout, k)
+            assert torch.equal(full_picks[has_nan], picks[has_nan]), (layout, k)

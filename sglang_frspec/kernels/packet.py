@@ -2,9 +2,10 @@
 
 Semantics are those of ``HotLogitsExchange.topk_packet`` (the torch reference): per row, over the
 first ``count`` of ``width`` columns, the k largest values in descending order (ties: the lower
-column first), their hot indices ``column + offset`` as float32, and the log-sum-exp of every
-other column, summed from positive terms only (exact for peaked rows). Slots beyond ``count``
-hold ``(-inf, 0)``; a rank with no hot ids sends ``(-inf, 0, ..., -inf)``.
+column first; -0.0 equals 0.0 and is written as 0.0; NaN ranks and is written as -inf), their
+hot indices ``column + offset`` as float32, and the log-sum-exp of every other column, summed
+from positive terms only (exact for peaked rows), NaN if the row holds a NaN. Slots beyond
+``count`` hold ``(-inf, 0)``; a rank with no hot ids sends ``(-inf, 0, ..., -inf)``.
 
 One program per row streams the row in ``BLOCK`` columns. Candidates are packed into int64 keys
 (order-preserving float bits above the complemented column, the packing of SGLang's
@@ -12,7 +13,8 @@ One program per row streams the row in ``BLOCK`` columns. Candidates are packed 
 distinct. A block whose best key does not beat the running k-th key adds all its columns to the
 rest; otherwise its best keys are inserted one by one, each insertion evicting the running
 minimum into the rest. The rest is a running (max, sum of exp) of exactly the columns outside
-the final top-k, so no top mass is ever subtracted.
+the final top-k, so no top mass is ever subtracted; NaN is kept out of it (Triton leaves NaN in
+``max`` unspecified) and reported by a flag instead.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def _topk_packet_kernel(
     best = tl.where(slots < K, empty, 9223372036854775807)
     rest_max = float("-inf")
     rest_sum = 0.0
+    has_nan = 0
     for start in range(0, count, BLOCK):
         columns = start + tl.arange(0, BLOCK)
         valid = columns < count
@@ -99,6 +102,10 @@ def _topk_packet_kernel(
             x += tl.load(row_ptr + split * split_stride, mask=valid, other=0.0)
         if ROUND:  # to the head dtype the unfused GEMV would have written
             x = round_through(x, ROUND_TO)
+        is_nan = x != x
+        has_nan = tl.maximum(has_nan, tl.max(tl.where(valid & is_nan, 1, 0)))
+        # The reference's order: NaN as -inf, -0.0 as 0.0 (distinct bits, equal floats).
+        x = tl.where(is_nan, float("-inf"), tl.where(x == 0.0, 0.0, x))
         keys = tl.where(valid, _pack_keys(x, columns), -1)
         kth = tl.min(best)
         top = tl.max(keys)
@@ -115,7 +122,8 @@ def _topk_packet_kernel(
         # Columns of this block that stayed out of the top-k join the rest.
         x_rest = tl.where(keys >= 0, x, float("-inf"))
         block_max = tl.max(x_rest)
-        shift = tl.where(block_max == float("-inf"), 0.0, block_max)  # all -inf: exp(-inf) = 0, no nan
+        # All -inf: exp(-inf) = 0; a +inf: the sum is +inf, as torch.logsumexp's. Never inf - inf.
+        shift = tl.where(tl.abs(block_max) == float("inf"), 0.0, block_max)
         block_sum = tl.sum(tl.exp(x_rest - shift))
         rest_max, rest_sum = _add_lse(rest_max, rest_sum, block_max, block_sum)
     best = tl.sort(tl.where(slots < K, best, -1), descending=True)
@@ -123,6 +131,7 @@ def _topk_packet_kernel(
     columns = _key_columns(best)
     indices = tl.where(columns == 2147483647, 0.0, (columns + offset).to(tl.float32))
     rest_lse = tl.where(rest_sum > 0.0, rest_max + tl.log(rest_sum), float("-inf"))
+    rest_lse = tl.where(has_nan > 0, float("nan"), rest_lse)
     out_row = out_ptr + row * (2 * K + 1)
     tl.store(out_row + slots, values, mask=slots < K)
     tl.store(out_row + K + slots, indices, mask=slots < K)
