@@ -12,7 +12,7 @@ def swapped_rows(payload: dict) -> dict:
     """A plain head under the balanced layout: swaps whose new rows live on other ranks' shards,
     applied with ``place_hot_rows`` in steps of ``chunk_bytes``, then a weight refresh over the
     swapped (no longer sorted) ids from new weights. Returns this rank's head after each, whether
-    it kept its address, and the bytes each all-gather of the swaps received."""
+    it kept its address, the bytes each all-gather of the swaps received and the total it returned."""
     from sglang_frspec.adapters.head import describe_head_shard
     from sglang_frspec.core import build_local_head, plan_from_ranges
     from sglang_frspec.core.gather import place_hot_rows, shard_row_reader
@@ -30,10 +30,10 @@ def swapped_rows(payload: dict) -> dict:
         shard.all_gather(output, local)
 
     positions, ids_in = torch.tensor(payload["positions"]), torch.tensor(payload["ids_in"])
-    place_hot_rows(shard_row_reader(target.weight), ids_in, plan, shard.rank, all_gather, head,
-                   positions=positions, chunk_bytes=payload["chunk_bytes"])  # fmt: skip
+    returned = place_hot_rows(shard_row_reader(target.weight), ids_in, plan, shard.rank, all_gather, head,
+                              positions=positions, chunk_bytes=payload["chunk_bytes"])  # fmt: skip
     plan.hot_ids.index_copy_(0, positions, ids_in)  # as the adapter does
-    out = {"rank": shard.rank, "swapped": head.clone(), "gathered": gathered}
+    out = {"rank": shard.rank, "swapped": head.clone(), "gathered": gathered, "returned": returned}
     _, new_full = _target_head(vocab, hidden, torch.float32, seed=1)
     start, end = shard.shard_ranges[shard.rank]
     target.weight.data[: end - start].copy_(new_full[start:end])  # a weight update, in place

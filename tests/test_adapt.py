@@ -52,6 +52,17 @@ def test_frequent_outside_ids_replace_the_weakest_inside_ones_eos_stays():
     assert capped.ids_in.tolist() == [500]  # the best first
 
 
+def test_ties_among_the_weakest_go_to_the_lowest_positions():
+    """Equal scores leave the map lowest position first, the same on every device (a top-k's order
+    among ties is unspecified), so which rank computes an incoming id is known in advance."""
+    hot = torch.arange(100, 164)
+    scores = torch.zeros(VOCAB, dtype=torch.int64)
+    scores[hot[::2]] = 9 << SCORE_SHIFT  # even positions in use; odd ones all at 0
+    scores[[700, 701, 702]] = 50 << SCORE_SHIFT
+    swaps = choose_swaps(scores, hot, (SwapGroup(0, 64, (0, VOCAB)),), torch.zeros(0, dtype=torch.int64), 8)
+    assert swaps.positions.tolist() == [1, 3, 5]
+
+
 def test_nothing_to_swap():
     hot = torch.tensor([1, 2, 3])
     scores = torch.zeros(VOCAB, dtype=torch.int64)
@@ -177,6 +188,7 @@ def test_balanced_swaps_move_rows_across_ranks(tp):
         assert result["in_place"]
         # Every rank ran the same steps, each within the budget: 4 rows from each rank.
         assert result["gathered"] == [tp * 4 * hidden * 4] * -(-max(owned) // 4), rank
+        assert result["returned"] == sum(result["gathered"])  # what the adapter logs
         assert _rows_per_step(tp, hidden, 4, chunk) == 4
 
 

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from sglang_frspec.core import vocab_shard_ranges
 from sglang_frspec.core.options import ADAPT_ENV, ADAPT_INTERVAL_ENV, COUNTS_ENV, LAYOUT_ENV
 from tests.harness.draft_probe import draft_tensors, probed_launch
 from tests.test_coverage import metric, simulated_verify, urllib_get, wait_for
@@ -15,6 +16,7 @@ from tests.test_weight_updates import permuted_target
 
 pytestmark = pytest.mark.server
 START, NEW, SAME_REQUESTS = 0, 40, 4
+NEW_ACROSS_SHARDS = 20  # 4 commits stay ahead of none for 18 decisions; 20 tokens take about 13
 COMMITTED = "sglang:frspec_committed_tokens_total"
 IN_MAP = "sglang:frspec_committed_in_map_tokens_total"
 SWAPS = "sglang:frspec_map_swaps_total"
@@ -23,34 +25,55 @@ DECISION = re.compile(
 )
 
 
-@pytest.mark.parametrize(("tp", "layout"), [(1, "balanced"), (2, "local"), (3, "local")])
-def test_the_map_takes_in_the_committed_tokens_it_missed(perm, start_server, tmp_path, tp, layout):
-    """A map holding half the fixture's hot ids: the chain's tokens outside it are swapped in while
-    serving (one decision per verify step), on every rank (a rank that kept the old ids would
-    compute other columns and the drafts would fail), after which the same request verifies in
-    as many steps as a simulation of the new map gives: fewer. Outputs stay greedy throughout."""
+@pytest.mark.parametrize(
+    ("tp", "layout", "map_name"),
+    [(1, "balanced", "hot_half"), (2, None, "hot_low"), (2, "local", "hot_low"), (3, None, "hot_half")],
+    ids=["tp1", "tp2-default-across-shards", "tp2-local-across-shards", "tp3-default"],
+)
+def test_the_map_takes_in_the_committed_tokens_it_missed(perm, start_server, tmp_path, tp, layout, map_name):
+    """A map missing some of the chain's tokens: those are swapped in while serving (one decision
+    per verify step), on every rank (a rank that kept the old ids would compute other columns and
+    the drafts would fail), after which the same request verifies in as many steps as a
+    simulation of the new map gives: fewer. Outputs stay greedy throughout. With the default
+    layout (``None``: SGLANG_FRSPEC_LAYOUT unset, balanced) at TP 2 and 3. ``hot_low`` holds rank
+    0's TP=2 shard only while the chain crosses into rank 1's: the traffic drifts across the shard
+    boundary. The default layout follows it (rows sent across ranks); under ``local`` rank 1 has
+    no hot position, so nothing can be swapped in and the map stays as it started."""
     counts_path = tmp_path / "served.counts.pt"
-    token_map = perm.token_map("hot_half")
-    env = {ADAPT_ENV: "1", ADAPT_INTERVAL_ENV: "1", LAYOUT_ENV: layout, COUNTS_ENV: str(counts_path)}
+    token_map = perm.token_map(map_name)
+    env = {ADAPT_ENV: "1", ADAPT_INTERVAL_ENV: "1", COUNTS_ENV: str(counts_path)}
+    env |= {LAYOUT_ENV: layout} if layout else {}
     server = start_server(perm, tp, token_map, env=env, launch=probed_launch)
-    prompt, expected = list(perm.chain[START : START + 3]), list(perm.chain[START + 3 : START + 3 + NEW])
-    before = server.generate([prompt] * SAME_REQUESTS, NEW)  # each token committed 4 times a step
+    # hot_low misses half the chain: a shorter run, so that the first ids it takes in are still
+    # ahead of the never-committed ones when the last are taken (a score halves per decision).
+    new = NEW if map_name == "hot_half" else NEW_ACROSS_SHARDS
+    prompt, expected = list(perm.chain[START : START + 3]), list(perm.chain[START + 3 : START + 3 + new])
+    before = server.generate([prompt] * SAME_REQUESTS, new)  # each token committed 4 times a step
     assert [out["output_ids"] for out in before] == [expected] * SAME_REQUESTS
     adapted_path = f"{counts_path}.map.pt"
     wait_for(lambda: os.path.exists(adapted_path))  # written once the server is idle
     adapted = set(torch.load(adapted_path).tolist())
     original = set(torch.load(token_map).tolist())
     assert len(adapted) == len(original)  # H never changes
-    committed = set(perm.chain[START + 4 : START + 3 + NEW])
-    assert committed - original and committed <= adapted  # what it missed is in the map now
-    after = server.generate(prompt, NEW)
+    committed = set(perm.chain[START + 4 : START + 3 + new])
+    missed = committed - original
+    assert missed
+    if map_name == "hot_low":  # the missed tokens are all in rank 1's TP=2 shard
+        assert min(missed) >= vocab_shard_ranges(perm.vocab_size, 2)[1][0]
+    after = server.generate(prompt, new)
     assert after["output_ids"] == expected
     # While the map adapts, an id it holds but has not yet seen committed can leave it just before
     # it is needed: the first requests are not compared with anything but greedy.
     static_steps = simulated_verify(perm, START, before[0], original)[1]  # had the map stayed
     adapted_steps = simulated_verify(perm, START, after, adapted)[1]
+    decisions = DECISION.findall(server.log())
+    if layout == "local" and map_name == "hot_low":  # the local layout cannot cross the boundary
+        assert not decisions and adapted == original
+        assert after["meta_info"]["spec_verify_ct"] == adapted_steps == static_steps
+        return
+    assert committed <= adapted  # what it missed is in the map now
     assert after["meta_info"]["spec_verify_ct"] == adapted_steps < static_steps
-    assert sum(int(n) for n, _, _ in DECISION.findall(server.log())) >= len(committed - original)
+    assert sum(int(n) for n, _, _ in decisions) >= len(missed)
     assert_adapted_in_place(server, tp, adapted_path, original)
 
 

@@ -82,9 +82,9 @@ class HotSetAdapter:
             decision = group.all_gather_object(decision)[0]
         if decision is None:
             return
-        self._apply(decision)
+        exchanged = self._apply(decision)
         if self.decides:
-            self._log(decision, time.perf_counter() - started)
+            self._log(decision, time.perf_counter() - started, exchanged)
 
     def _decide(self) -> dict | None:
         committed = self.counts.counts[0, : self.counts.vocab_size]
@@ -104,7 +104,8 @@ class HotSetAdapter:
             "coverage": (int(since[self.hot_token_id].sum()), int(since[after].sum()), int(since.sum())),
         }
 
-    def _apply(self, decision: dict) -> None:
+    def _apply(self, decision: dict) -> int:
+        """Rewrite hot_token_id, the plan's ids and the head's rows; the bytes of rows all-gathered."""
         device = self.hot_token_id.device
         keys = ("positions", "ids_in", "ids_out")
         swaps = Swaps(*(torch.tensor(decision[key], dtype=torch.int64) for key in keys))
@@ -113,16 +114,18 @@ class HotSetAdapter:
         if plan_ids.data_ptr() != self.hot_token_id.data_ptr():  # on the CPU they are one tensor
             plan_ids.index_copy_(0, swaps.positions, swaps.ids_in)
         head, shard = self.head, self.head.shard
-        place_hot_rows(self.read_rows, swaps.ids_in, head.plan, shard.rank, shard.all_gather, head.local_head,
-                       positions=swaps.positions)  # fmt: skip
+        exchanged = place_hot_rows(self.read_rows, swaps.ids_in, head.plan, shard.rank, shard.all_gather,
+                                   head.local_head, positions=swaps.positions)  # fmt: skip
         self.swapped += len(swaps)
+        return exchanged
 
-    def _log(self, decision: dict, seconds: float) -> None:
+    def _log(self, decision: dict, seconds: float, exchanged: int) -> None:
         before, after, total = decision["coverage"]
         share = (lambda n: f"{n / total:.2%}") if total else (lambda n: "n/a")
         logger.info(
             "sglang-frspec: map adapted after %d verify steps: %d id(s) in %s, out %s; the last "
-            "interval's committed tokens in the map %s -> %s; decision %.1f ms (in place at %#x, %#x)",
+            "interval's committed tokens in the map %s -> %s; decision %.1f ms, %d B of rows "
+            "all-gathered per rank (in place at %#x, %#x)",
             self.steps,
             len(decision["ids_in"]),
             decision["ids_in"][:8],
@@ -130,6 +133,7 @@ class HotSetAdapter:
             share(before),
             share(after),
             seconds * 1e3,
+            exchanged,
             self.hot_token_id.data_ptr(),
             self.head.local_head.data_ptr(),
         )

@@ -110,7 +110,9 @@ def choose_swaps(
         if n <= 0:
             continue
         best_out, best_out_at = outside_scores.topk(n)
-        weak_in, weak_in_at = inside_scores.topk(n, largest=False)
+        # The weakest first, ties to the lower position: the same choice on every device (a
+        # topk's order among ties is not), so which rank computes an incoming id is predictable.
+        weak_in, weak_in_at = (t[:n] for t in inside_scores.sort(stable=True))
         margin = torch.clamp(weak_in >> MARGIN_SHIFT, min=MIN_MARGIN << SCORE_SHIFT)
         # best_out descends and weak_in ascends, so the swaps that pay are a prefix.
         pays = (best_out > weak_in + margin) & (weak_in != never_out)
