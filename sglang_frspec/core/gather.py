@@ -156,29 +156,57 @@ def _owned_indices(ids: torch.Tensor, start: int, end: int, size: int) -> Iterat
         yield pending
 
 
+# The fill sits at least this far below the k-th value (in logits): SGLang picks from softmax
+# probabilities, where logits closer than about 1e-7 can round to one probability, and a tie
+# there goes to the lower column, which may be a fill column. 2**-20 keeps the fill's
+# exp(x - max) at least 8 float32 ulps below the k-th's.
+FILL_GAP = 2.0**-20
+
+
+def _order_keys(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Distinct int64 keys ordered by value, then lower column (float32 values without NaN,
+    -0.0 equal to 0.0; int64 columns < 2**31): the packets' order, and the Triton kernel's."""
+    bits = torch.where(values == 0, 0.0, values).view(torch.int32)
+    ordered_bits = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()  # signed order == float order
+    return (ordered_bits << 31) | (2**31 - 1 - columns)
+
+
 def merge_topk_packets(rank_major: torch.Tensor, k: int, num_hot: int) -> torch.Tensor:
     """Float32 ``[T, H]`` logits from every rank's top-k packet, ``rank_major`` ``[T, tp, 2k+1]``.
 
-    The global top-k values land at their hot columns; every other column gets one fill value
-    that carries exactly the remaining probability mass. A rank with fewer than k hot ids pads
-    its packet with fillers (value -inf at hot index 0), which a row with fewer than k values
-    above -inf may pick: they are written with ``amax`` over a fill that never exceeds a picked
-    value, so a filler changes no column (a plain scatter let it overwrite hot column 0) and the
-    result does not depend on the write order (identical on every rank, also on CUDA).
+    The global top-k are the k largest candidates by value, ties to the lower hot index (the
+    packets' own order, so the result does not depend on which rank holds a column). They land
+    at their hot columns; every other column gets one fill value that carries the remaining
+    probability mass, kept at least ``FILL_GAP`` (or one float32 step) below the k-th value so
+    no consumer can rank a fill column with or above a picked one; where that cap applies (the
+    rest nearly as large as the k-th value), the rest mass is low by at most a relative
+    ``FILL_GAP``, or one float32 step of the k-th value above 16 (the fill's own rounding).
+    A NaN rest (a NaN logit on some rank) makes the fill NaN.
+
+    A rank with fewer than k hot ids pads its packet with fillers (value -inf at hot index 0),
+    which a row with fewer than k values above -inf may pick. The picks are written with
+    ``amax`` over the picked values only, so a filler never overwrites a real value at hot
+    column 0 (a plain scatter did) and the result does not depend on the write order (identical
+    on every rank, also on CUDA). A filler is picked only when the k-th value is -inf, so the
+    fill is -inf as well (NaN in a row with a NaN).
     """
     num_rows, tp_size = rank_major.shape[:2]
     cand_values = rank_major[:, :, :k].reshape(num_rows, tp_size * k)
-    cand_indices = rank_major[:, :, k : 2 * k].reshape(num_rows, tp_size * k)
-    top_values, picked = cand_values.topk(k, dim=1)
-    top_indices = cand_indices.gather(1, picked).long()
+    cand_indices = rank_major[:, :, k : 2 * k].reshape(num_rows, tp_size * k).long()
+    # Keys, not torch.topk over the values: that breaks ties by candidate position (rank-major).
+    picked = _order_keys(cand_values, cand_indices).topk(k, dim=1).indices
+    top_values = cand_values.gather(1, picked)
+    top_indices = cand_indices.gather(1, picked)
     # Everything outside the global top-k: candidates not picked, plus each rank's rest.
     unpicked = cand_values.scatter(1, picked, -math.inf)
     others = torch.cat([unpicked, rank_major[:, :, 2 * k]], dim=1)
     fill = torch.logsumexp(others, dim=1) - math.log(num_hot - k)
-    # Rounding must not lift the fill above the k-th value (it can only tie it).
-    fill = torch.minimum(fill, top_values[:, -1])
+    kth = top_values[:, -1]
+    # Mathematically the fill is at most the k-th value; rounding can lift it to or above it.
+    below_kth = torch.minimum(kth - FILL_GAP, torch.nextafter(kth, torch.full_like(kth, -math.inf)))
+    fill = torch.minimum(fill, below_kth)  # -inf stays -inf; NaN stays NaN
     logits = fill[:, None].expand(num_rows, num_hot).contiguous()
-    return logits.scatter_reduce_(1, top_indices, top_values, reduce="amax")
+    return logits.scatter_reduce_(1, top_indices, top_values, reduce="amax", include_self=False)
 
 
 class HotLogitsExchange:
@@ -208,11 +236,11 @@ class HotLogitsExchange:
         """Exchange only each rank's top-k (value, hot index) and the log-sum-exp of the rest.
 
         Returns float32 ``[T, H]`` logits holding the exact global top-k values at their
-        columns and, everywhere else, one fill value chosen so that the other columns carry
-        exactly the remaining probability mass. Softmax, top-k and argmax over the result give
-        the same top-k probabilities and ids as the full logits. The remaining mass is summed
-        from positive terms only (never ``1 - top mass``), so it stays accurate when the
-        distribution is peaked.
+        columns (ties to the lower hot index) and, everywhere else, one fill value below them
+        that carries the remaining probability mass (``merge_topk_packets``). Softmax, top-k and
+        argmax over the result give the full logits' top-k probabilities and those ids (README:
+        what "exact" means under ties). The remaining mass is summed from positive terms only
+        (never ``1 - top mass``), so it stays accurate when the distribution is peaked.
         """
         packet = self.topk_packet(local, k)
         rank_major = _gather(packet, self.plan.tp_size, all_gather).permute(1, 0, 2)
@@ -239,8 +267,10 @@ class HotLogitsExchange:
     def topk_packet_reference(self, local: torch.Tensor, k: int) -> torch.Tensor:
         """This rank's share of the top-k exchange: [T, 2k+1] (top-k values, hot indices, rest LSE).
 
-        The torch reference of ``kernels.topk_packet``. Ties are broken by the lower column, so
-        the packet is a function of the logits alone (``torch.topk`` leaves ties unspecified).
+        The torch reference of ``kernels.topk_packet``. The top-k is by value, ties to the lower
+        column (``torch.topk`` leaves ties unspecified), -0.0 equal to 0.0 (written as 0.0), NaN
+        ranked as -inf (written as -inf); a NaN anywhere in the row makes the rest LSE NaN, so
+        the merged row stays NaN outside its top-k, as a softmax over the full logits would be.
         """
         _check_topk(k, self.num_hot)
         num_rows = local.shape[0]
@@ -250,31 +280,34 @@ class HotLogitsExchange:
         rest_lse = mine.new_full((num_rows, 1), -math.inf)
         if self.count:
             kept = min(k, self.count)
-            top_slots = self._ordered_top_slots(mine, kept)
-            values[:, :kept] = mine.gather(1, top_slots)
+            ranked = mine.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+            top_slots = self._ordered_top_slots(ranked, kept)
+            top_values = ranked.gather(1, top_slots)
+            values[:, :kept] = torch.where(top_values == 0, 0.0, top_values)
             # Hot indices < 2**24 are exact in float32, so one float packet carries all three.
             indices[:, :kept] = (top_slots + self.offset).float()
-            rest = mine.scatter(1, top_slots, -math.inf)
-            rest_lse = torch.logsumexp(rest, dim=1, keepdim=True)
+            rest_lse = torch.logsumexp(mine.scatter(1, top_slots, -math.inf), dim=1, keepdim=True)
+            # A NaN the top-k took (as -inf) poisons the rest as well.
+            picked_nan = mine.gather(1, top_slots).isnan().any(1, keepdim=True)
+            rest_lse = rest_lse.masked_fill(picked_nan, math.nan)
         return torch.cat([values, indices, rest_lse], dim=1)
 
     @staticmethod
-    def _ordered_top_slots(mine: torch.Tensor, kept: int) -> torch.Tensor:
-        """Columns of the ``kept`` largest values, by value then lower column (int64 [T, kept]).
+    def _ordered_top_slots(ranked: torch.Tensor, kept: int) -> torch.Tensor:
+        """Columns of the ``kept`` largest values of ``ranked`` (no NaN), by value then lower
+        column (int64 [T, kept]).
 
         Two float top-k passes (an int64 key top-k over the whole row is 5x slower on CPU): the
         first finds the k-th value, the second the lowest columns holding it; the <= 2k
-        candidates are then ordered by a distinct (value bits, column) key.
+        candidates are then ordered by ``_order_keys``.
         """
-        top_values, top_slots = mine.topk(kept, dim=1)
+        top_values, top_slots = ranked.topk(kept, dim=1)
         kth = top_values[:, -1:]
-        column_score = torch.arange(mine.shape[1], 0, -1, device=mine.device, dtype=torch.float32)
-        tie_slots = torch.where(mine == kth, column_score, 0.0).topk(kept, dim=1).indices
+        column_score = torch.arange(ranked.shape[1], 0, -1, device=ranked.device, dtype=torch.float32)
+        tie_slots = torch.where(ranked == kth, column_score, 0.0).topk(kept, dim=1).indices
         num_above = (top_values > kth).sum(1, keepdim=True)
-        slot_rank = torch.arange(kept, device=mine.device)
+        slot_rank = torch.arange(kept, device=ranked.device)
         slots = torch.cat([top_slots, tie_slots], dim=1)
         valid = torch.cat([top_values > kth, slot_rank < kept - num_above], dim=1)
-        bits = mine.gather(1, slots).view(torch.int32)
-        ordered_bits = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()  # signed order == float order
-        keys = torch.where(valid, (ordered_bits << 31) | (2**31 - 1 - slots), torch.iinfo(torch.int64).min)
+        keys = torch.where(valid, _order_keys(ranked.gather(1, slots), slots), torch.iinfo(torch.int64).min)
         return slots.gather(1, keys.topk(kept, dim=1).indices)
