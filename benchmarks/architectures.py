@@ -185,6 +185,7 @@ ARCHITECTURES = {
                 "qk_nope_head_dim": 32,
                 "qk_rope_head_dim": 16,
                 "v_head_dim": 32,
+                "head_dim": 16,  # HF's rotary size is head_dim: DeepSeek-V3's config sets qk_rope_head_dim
                 "num_key_value_heads": 4,
                 # DeepSeek-V3's own YaRN (SGLang's CPU rotary embedding for MLA is deepseek_yarn only).
                 "max_position_embeddings": 163840,
