@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_frspec.demo.cpu import eagle_args
 from tests.harness.greedy import compare_greedy, reference_greedy
 from tests.test_servers_plugin import assert_plugin_active, num_hot
 
@@ -34,15 +35,36 @@ FAMILIES = [
     "llama_softcap",  # final-logit softcapping, applied by the plugin's draft processor too
     "qwen2",  # SGLang's Qwen2 EAGLE draft class; Qwen2's head always shards over the tp group
     "mimo_mtp",  # an MTP draft loaded from the target's own checkpoint, NEXTN
+    "deepseek_v3_nextn",  # MLA target (MHA prefill, absorbed-MLA extends), its MoE NextN layer, NEXTN
 ]
+# Also served with a chain draft (topk 1: target verify without a tree mask, one draft token per step).
+CHAIN_FAMILIES = ["deepseek_v3_nextn"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_at_tp2_with_a_map_decodes_as_greedy(name, start_server):
+    decodes_as_greedy(name, start_server, topk=2)
+
+
+@pytest.mark.parametrize("name", CHAIN_FAMILIES)
+def test_family_at_tp2_with_a_map_and_a_chain_draft_decodes_as_greedy(name, start_server):
+    decodes_as_greedy(name, start_server, topk=1)
+
+
+def decodes_as_greedy(name: str, start_server, topk: int) -> None:
+    """A TP=2 server of ``name`` with the draft (``topk``), the map and the plugin: the plugin's
+    line, greedy outputs (tie-aware against HF), the draft really ran."""
     fixture = architecture_fixture(name)
-    algorithm = ("--speculative-algorithm", ARCHITECTURES[name].algorithm)
-    server = start_server(fixture, 2, fixture.token_map("hot"), extra=algorithm)
-    assert_plugin_active(server, num_hot(fixture.token_map("hot")), 2)
+    token_map = fixture.token_map("hot")
+    speculative = eagle_args(
+        fixture.draft,
+        token_map,
+        algorithm=ARCHITECTURES[name].algorithm,
+        topk=topk,
+        draft_tokens=4 if topk > 1 else 3,
+    )
+    server = start_server(fixture, 2, eagle=False, extra=tuple(speculative))
+    assert_plugin_active(server, num_hot(token_map), 2)
     outs = server.generate(PROMPTS, NEW)
     expected = [reference_greedy(fixture.target, prompt, NEW) for prompt in PROMPTS]
     compare_greedy(fixture.target, PROMPTS, [o["output_ids"] for o in outs], expected, HF_TIE_EPSILON)
