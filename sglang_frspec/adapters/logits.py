@@ -30,12 +30,13 @@ class FrSpecLogitsProcessor(LogitsProcessor):
         device: torch.device | str,
         *,
         logit_scale: float | None = None,
+        needs_distribution: bool = False,
     ):
         super().__init__(config, logit_scale=logit_scale)
         self.vocab_size = plan.num_hot  # what _copy_logits_to_buffer and the graph buffer expect
         self.plan = plan
         self.shard = shard
-        self.exchange = exchange_at_start(exchange, plan, topk)
+        self.exchange = exchange_at_start(exchange, plan, topk, needs_distribution=needs_distribution)
         self.topk = topk
         self.hot_logits = HotLogitsExchange(plan, shard.rank, device)
 

@@ -1,6 +1,7 @@
 """Which exchange runs: the one a processor is built with, and under ``auto`` the pick per step.
 
-``exchange_at_start`` falls back to ``full`` where the top-k packet cannot apply (k >= H);
+``exchange_at_start`` falls back to ``full`` where the top-k packet cannot apply (k >= H) or
+cannot give what the verify needs (rejection sampling reads the draft's whole distribution);
 ``exchange_for_step`` gives a step's exchange, which under ``auto`` is full or topk per batch
 size, by a rule every rank evaluates alike.
 
@@ -32,10 +33,15 @@ TOPK_MIN_GATHER_BYTES = {"cpu": 0}
 DEFAULT_TOPK_MIN_GATHER_BYTES = 16 * 2**20  # cuda and any other accelerator
 
 
-def exchange_at_start(requested: str, plan: HotShardPlan, k: int) -> str:
+def exchange_at_start(requested: str, plan: HotShardPlan, k: int, *, needs_distribution: bool = False) -> str:
     """The exchange a processor is built with: ``requested``, or ``full`` (exact, and as cheap)
-    where the top-k packet cannot apply."""
-    return requested if topk_packet_applies(k, plan.num_hot) else "full"
+    where the top-k packet cannot apply, or where the draft's whole distribution is needed
+    (``needs_distribution``: rejection sampling draws drafts from q and verifies with q). The
+    packet's fill value carries the rest mass at temperature 1 only, so softmax(logits / T) of
+    the packet is not the draft's q at another temperature, nor is its top-k/top-p filtering."""
+    if needs_distribution or not topk_packet_applies(k, plan.num_hot):
+        return "full"
+    return requested
 
 
 def exchange_for_step(configured: str, plan: HotShardPlan, rows: int, k: int, itemsize: int,

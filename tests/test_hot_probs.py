@@ -1,0 +1,61 @@
+"""Rejection sampling with a map: the draft's hot probabilities laid over the target vocab
+(``core/hot_probs.py``), and the exchange rule's pick, against an independent reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_frspec.core.exchange_rule import exchange_at_start
+from sglang_frspec.core.hot_probs import lay_hot_probs_over_vocab
+from sglang_frspec.core.plan import plan_from_ranges
+from tests import rank_cases_sampling
+from tests.harness.tp_group import run_tp_group
+
+VOCAB, HIDDEN, ROWS, TOPK, TEMPERATURE = 1009, 32, 5, 2, 0.7
+
+
+def _placed(hot_probs: torch.Tensor, ids: list[int], vocab: int) -> torch.Tensor:
+    """Reference: column j of ``hot_probs`` is token ``ids[j]``; every other token has q = 0."""
+    out = torch.zeros(*hot_probs.shape[:-1], vocab)
+    for j, token in enumerate(ids):
+        out[..., token] = hot_probs[..., j]
+    return out
+
+
+def test_hot_probs_land_on_their_ids_and_nowhere_else():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randperm(VOCAB, generator=g)[:37]  # distinct, in no particular order
+    probs = torch.softmax(torch.randn(4, 3, 37, generator=g), -1)  # [bs, steps, H]
+    q = lay_hot_probs_over_vocab(probs, ids, VOCAB)
+    assert q.shape == (4, 3, VOCAB)
+    assert torch.equal(q, _placed(probs, ids.tolist(), VOCAB))
+    torch.testing.assert_close(q.sum(-1), torch.ones(4, 3))  # a distribution over the target vocab
+    with pytest.raises(ValueError, match="36 probability columns for 37 hot ids"):
+        lay_hot_probs_over_vocab(probs[..., :36], ids, VOCAB)
+
+
+def test_rejection_sampling_makes_the_exchange_rule_pick_full():
+    plan = plan_from_ranges(torch.arange(0, 40, 3), [(0, 20), (20, 40)], "balanced")
+    requested = ("full", "topk", "auto")
+    assert [exchange_at_start(e, plan, TOPK) for e in requested] == ["full", "topk", "auto"]
+    assert [exchange_at_start(e, plan, TOPK, needs_distribution=True) for e in requested] == ["full"] * 3
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp", [1, 2])
+def test_draft_distribution_over_the_vocab_matches_the_single_rank_reference(tp):
+    """Both layouts, both requested exchanges: the processor runs ``full``, and q over the target
+    vocab is softmax(reference / T) at the map's ids, zero elsewhere, bit-identical on every rank."""
+    ids = [7, 1008, 500, 3, 250, 251, 999, 12, 640, 77, 500]  # unordered, one repeat, both shards
+    payload = {"vocab": VOCAB, "hidden": HIDDEN, "rows": ROWS, "topk": TOPK, "ids": ids,
+               "temperature": TEMPERATURE}  # fmt: skip
+    results = run_tp_group(rank_cases_sampling.draft_probs_over_vocab, tp, payload)
+    columns = sorted(set(ids))
+    expected = _placed(torch.softmax(results[0]["reference"] / TEMPERATURE, -1), columns, VOCAB)
+    for key in [(layout, exchange) for layout in ("local", "balanced") for exchange in ("full", "topk")]:
+        exchange, q = results[0][key]
+        assert exchange == "full", key
+        torch.testing.assert_close(q, expected, rtol=1e-5, atol=1e-7, msg=str(key))
+        assert torch.count_nonzero(q[:, [t for t in range(VOCAB) if t not in columns]]) == 0, key
+        assert all(torch.equal(r[key][1], q) for r in results[1:]), key  # the same on every rank
