@@ -166,12 +166,19 @@ def pytest_runtest_logreport(report):
 
 def pytest_terminal_summary(terminalreporter):
     """The suite's budget at a glance: total time, the ten slowest tests (setup, call and
-    teardown together) and the server start-ups (docs/testing.md says how to read them)."""
+    teardown together), the time per file and the server start-ups (docs/testing.md says how to
+    read them)."""
     write = terminalreporter.write_line
     terminalreporter.section("time budget")
     write(f"pytest wall time {time.monotonic() - _SESSION_START:.0f} s over {len(_ITEM_SECONDS)} tests")
     for nodeid, seconds in sorted(_ITEM_SECONDS.items(), key=lambda kv: -kv[1])[:10]:
         write(f"{seconds:8.1f} s  {nodeid}")
+    per_file: defaultdict[str, float] = defaultdict(float)
+    for nodeid, seconds in _ITEM_SECONDS.items():
+        per_file[nodeid.split("::")[0]] += seconds
+    write("per file:")
+    for path, seconds in sorted(per_file.items(), key=lambda kv: -kv[1]):
+        write(f"{seconds:8.1f} s  {path}")
     starts = [(test, s.ready_after) for test, s in _SERVERS_MADE if s.ready_after is not None]
     if starts:
         total = sum(seconds for _, seconds in starts)
