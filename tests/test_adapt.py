@@ -52,15 +52,22 @@ def test_frequent_outside_ids_replace_the_weakest_inside_ones_eos_stays():
     assert capped.ids_in.tolist() == [500]  # the best first
 
 
-def test_ties_among_the_weakest_go_to_the_lowest_positions():
-    """Equal scores leave the map lowest position first, the same on every device (a top-k's order
-    among ties is unspecified), so which rank computes an incoming id is known in advance."""
+def test_ties_among_the_weakest_go_to_the_fewest_committed_then_the_lowest_positions():
+    """Equal scores leave the map fewest all-time commits first (a score decays to 0: an id used
+    long ago ties with one never used), then lowest position first, the same on every device (a
+    top-k's order among ties is unspecified), so which rank computes an incoming id is known."""
     hot = torch.arange(100, 164)
+    group = (SwapGroup(0, 64, (0, VOCAB)),)
     scores = torch.zeros(VOCAB, dtype=torch.int64)
     scores[hot[::2]] = 9 << SCORE_SHIFT  # even positions in use; odd ones all at 0
     scores[[700, 701, 702]] = 50 << SCORE_SHIFT
-    swaps = choose_swaps(scores, hot, (SwapGroup(0, 64, (0, VOCAB)),), torch.zeros(0, dtype=torch.int64), 8)
+    swaps = choose_swaps(scores, hot, group, torch.zeros(0, dtype=torch.int64), 8)
     assert swaps.positions.tolist() == [1, 3, 5]
+    committed = torch.zeros(VOCAB, dtype=torch.int64)
+    committed[hot[1:9:2]] = 7  # positions 1, 3, 5, 7: committed long ago, decayed to 0 since
+    committed[hot[::2]] = 30
+    swaps = choose_swaps(scores, hot, group, torch.zeros(0, dtype=torch.int64), 8, committed=committed)
+    assert swaps.positions.tolist() == [9, 11, 13]
 
 
 def test_nothing_to_swap():

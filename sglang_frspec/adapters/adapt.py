@@ -91,7 +91,8 @@ class HotSetAdapter:
         since = committed - self.seen
         self.seen.copy_(committed)
         decay_scores(self.scores, since)
-        swaps = choose_swaps(self.scores, self.hot_token_id, self.groups, self.protected, self.max_swaps)
+        swaps = choose_swaps(self.scores, self.hot_token_id, self.groups, self.protected, self.max_swaps,
+                             committed=committed)  # fmt: skip
         if not len(swaps):
             return None
         after = self.hot_token_id.clone()

@@ -92,11 +92,16 @@ def choose_swaps(
     groups: tuple[SwapGroup, ...],
     protected: torch.Tensor,
     max_swaps: int,
+    committed: torch.Tensor | None = None,
 ) -> Swaps:
     """The swaps of one decision: at most ``max_swaps`` in all, the largest gains first.
 
     ``scores`` int64 [V] decayed counts (``decay_scores``); ``hot_ids`` int64 [H], the current id
-    at each hot position; ``protected`` int64 ids that never leave the map.
+    at each hot position; ``protected`` int64 ids that never leave the map; ``committed`` int64
+    [V] all-time counts, which order ids of equal score (a score decays to 0 in fixed point, so an
+    id committed long ago ties with one never committed): the fewer first, then the lower position.
+    The order is the same on every device (a top-k's order among ties is not), so which rank
+    computes an incoming id is predictable.
     """
     never_out = torch.iinfo(torch.int64).max
     positions, ids_in, gains = [], [], []
@@ -110,9 +115,12 @@ def choose_swaps(
         if n <= 0:
             continue
         best_out, best_out_at = outside_scores.topk(n)
-        # The weakest first, ties to the lower position: the same choice on every device (a
-        # topk's order among ties is not), so which rank computes an incoming id is predictable.
-        weak_in, weak_in_at = (t[:n] for t in inside_scores.sort(stable=True))
+        # The weakest first: by score, then all-time count, then position (stable sorts).
+        order = torch.arange(inside.numel(), device=inside.device)
+        if committed is not None:
+            order = committed[inside].sort(stable=True).indices
+        weak_in_at = order[inside_scores[order].sort(stable=True).indices[:n]]
+        weak_in = inside_scores[weak_in_at]
         margin = torch.clamp(weak_in >> MARGIN_SHIFT, min=MIN_MARGIN << SCORE_SHIFT)
         # best_out descends and weak_in ascends, so the swaps that pay are a prefix.
         pays = (best_out > weak_in + margin) & (weak_in != never_out)
