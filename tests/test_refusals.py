@@ -72,9 +72,6 @@ ADAPT_REFUSED = {  # name: (extra args, env, message)
     "no coverage": ([], ADAPT | {"SGLANG_FRSPEC_COVERAGE": "0"},
                     "follows the counts of the committed tokens"),
 }  # fmt: skip
-# Upstream refuses a map only after the weights load (and lets a whole-vocab map through).
-REJECTION_SAMPLING_ARGS = ["--speculative-use-rejection-sampling", "--speculative-eagle-topk", "1",
-                      "--speculative-num-draft-tokens", "3"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +82,6 @@ def argument_time_exits(perm, tmp_path_factory) -> dict[str, tuple[int | None, s
     tmp_path = tmp_path_factory.mktemp("argument-time")
     cases = {f"map {case}": (_write_map(tmp_path, case), [], {}) for case in BAD_MAPS}
     cases |= {f"args {' '.join(extra)}": (perm.token_map("hot"), extra, {}) for extra, _ in UNSUPPORTED}
-    cases["rejection sampling"] = (perm.token_map("hot"), REJECTION_SAMPLING_ARGS, {})
     cases |= {
         f"adapt {name}": (perm.token_map("hot"), extra, env)
         for name, (extra, env, _) in ADAPT_REFUSED.items()
@@ -131,12 +127,6 @@ def test_unsupported_combinations_are_rejected_at_argument_time(argument_time_ex
 @pytest.mark.parametrize("name", sorted(ADAPT_REFUSED))
 def test_adaptation_it_cannot_serve_is_refused_at_argument_time(argument_time_exits, name):
     _rejected_at_argument_time(argument_time_exits, f"adapt {name}", ADAPT_REFUSED[name][2])
-
-
-@pytest.mark.server
-def test_rejection_sampling_with_a_map_fails_at_argument_time(argument_time_exits):
-    message = "--speculative-token-map cannot be combined with --speculative-use-rejection-sampling"
-    _rejected_at_argument_time(argument_time_exits, "rejection sampling", message)
 
 
 @pytest.mark.server
@@ -344,12 +334,11 @@ def test_map_with_frozen_kv_mtp_is_ignored_as_in_stock(resolved):
     assert any(m.startswith("--speculative-token-map is ignored for FROZEN_KV_MTP") for m in messages)
 
 
-def test_rejection_sampling_with_a_map_is_refused_at_resolution(resolved):
-    """Even a map holding the whole vocab (which passes upstream's after-load guard)."""
+def test_rejection_sampling_with_a_map_resolves(resolved):
+    """No longer refused (the plugin lays the hot probabilities over the target vocab for verify;
+    tests/test_servers_plugin.py serves it), with a hot map or one holding the whole vocab."""
     for case in ("rejection sampling", "rejection sampling, whole vocab"):
-        result, _ = resolved[case]
-        assert result.startswith("ERROR UnsupportedSetupError --speculative-token-map cannot be combined "
-                                 "with --speculative-use-rejection-sampling"), (case, result)  # fmt: skip
+        assert resolved[case][0] == "RESOLVED EAGLE", (case, resolved[case])
 
 
 def test_adaptation_with_the_default_layout_resolves_at_tp_2_and_3(resolved):

@@ -111,13 +111,51 @@ def test_tp2_plugin_without_map_is_unchanged(perm, start_server):
     assert "sglang-frspec:" not in server.log()
 
 
-def test_tp2_topk1_with_a_map(perm, start_server):
+TOPK1 = ("--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
+
+
+def sampled_ops(server, chain, shim_log) -> set[str]:
+    """Temperature 1.0 requests from several points of a chain: each completes; returns the
+    CPU site's sampling-verify ops that ran (its ``SGL_SHIM_LOG``)."""
+    outs = server.generate(
+        [list(chain[s : s + 3]) for s in (0, 17, 33)], NEW, temperature=1.0, ignore_eos=True
+    )
+    assert [len(o["output_ids"]) for o in outs] == [NEW] * 3
+    return {
+        line.split(".", 1)[1]
+        for line in shim_log.read_text().splitlines()
+        if line.startswith("CALLED sampling.")
+    }
+
+
+def test_tp2_topk1_with_a_map(perm, start_server, tmp_path):
     """--speculative-eagle-topk 1: the draft takes an argmax over the hot logits (SGLang's fast
-    path that writes draft tokens directly is off with a map) and the top-k packet carries k=1."""
-    topk1 = ("--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
-    server = start_server(perm, 2, perm.token_map("hot"), env={"SGLANG_FRSPEC_EXCHANGE": "topk"}, extra=topk1)
+    path that writes draft tokens directly is off with a map) and the top-k packet carries k=1.
+    Temperature 1.0 requests take SGLang's target-only sampling verify (the CPU site routes it)."""
+    env = {"SGLANG_FRSPEC_EXCHANGE": "topk", "SGL_SHIM_LOG": str(tmp_path / "shim.log")}
+    server = start_server(perm, 2, perm.token_map("hot"), env=env, extra=TOPK1)
     assert generate_chains(server, perm.chain) == [3.0, 3.0, 3.0]  # 2 steps, every draft accepted
     assert_plugin_active(server, num_hot(perm.token_map("hot")), 2, "balanced", "topk")
+    assert sampled_ops(server, perm.chain, tmp_path / "shim.log") == {"tree_speculative_sampling_target_only"}
+
+
+def test_tp2_rejection_sampling_with_a_map(perm, start_server, tmp_path):
+    """--speculative-use-rejection-sampling with a map (refused by stock): exchange=topk falls back
+    to full (rejection sampling needs the draft's whole distribution), temperature 1.0 requests
+    complete through SGLang's rejection-sampling verify, and greedy still follows the chain."""
+    env = {"SGLANG_FRSPEC_EXCHANGE": "topk", "SGL_SHIM_LOG": str(tmp_path / "shim.log")}
+    extra = ("--speculative-use-rejection-sampling", *TOPK1)
+    server = start_server(perm, 2, perm.token_map("hot"), env=env, extra=extra)
+    assert sampled_ops(server, perm.chain, tmp_path / "shim.log") == {
+        "chain_speculative_sampling_triton",
+        "row_argmax",
+    }
+    # Greedy: plain greedy's chain (accept lengths may fall below 3.0: under rejection sampling
+    # stock's draft extend after prefill samples its first proposal at T=1 for greedy rows too).
+    generate_chains(server, perm.chain)
+    assert_plugin_active(server, num_hot(perm.token_map("hot")), 2, "balanced", "full")
+    warning = "exchange=topk cannot give rejection sampling the draft's whole hot distribution"
+    assert server.log().count(warning) == 1
 
 
 def test_tp2_chunked_prefill_and_retracted_requests(perm, start_server):

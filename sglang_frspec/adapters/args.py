@@ -86,14 +86,6 @@ def check_speculative_args(server_args, previous: Callable) -> None:
             "multi-layer EAGLE worker shares the full head and would silently ignore the map. "
             "Drop one of the two flags."
         )
-    if cfg.speculative_use_rejection_sampling or cfg.speculative_use_block_verification:
-        raise UnsupportedSetupError(
-            "--speculative-token-map cannot be combined with --speculative-use-rejection-sampling "
-            "(or --speculative-use-block-verification, which turns it on): rejection sampling "
-            "needs the draft's distribution over the whole target vocab, so SGLang's verify "
-            "requires the draft and target to share one vocab, and a map holding the whole "
-            "vocab saves nothing. Drop --speculative-token-map or the rejection-sampling flag."
-        )
     if cfg.load_format == "gguf" or str(cfg.model_path).endswith(".gguf"):
         raise UnsupportedSetupError(
             "--speculative-token-map cannot be used with a GGUF target (--load-format gguf): "

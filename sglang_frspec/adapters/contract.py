@@ -85,6 +85,11 @@ CONTRACT: tuple[Entry, ...] = (
     Attribute(f"{WORKER}.target_worker"),
     Attribute(f"{WORKER}.speculative_algorithm"),
     Attribute(f"{WORKER}.topk"),
+    # worker.py: rejection sampling with a map (the flag, its scoped override, where verify reads q)
+    Attribute("sglang.srt.arg_groups.fields.spec:Spec.speculative_use_rejection_sampling"),
+    Signature("sglang.srt.runtime_context:_ConfigBag.override", "(self, **kwargs)"),
+    Attribute("sglang.srt.speculative.eagle_info:EagleVerifyInput.draft_probs"),
+    Attribute("sglang.srt.configs.model_config:ModelConfig.vocab_size"),
     Signature("sglang.srt.speculative.spec_info:SpeculativeAlgorithm.is_eagle3", "(self)"),
     Attribute("sglang.srt.managers.tp_worker:TpModelWorker.model_runner"),
     Attribute("sglang.srt.managers.tp_worker:TpModelWorker.model_config"),  # adapt.py: the EOS ids

@@ -34,6 +34,15 @@ HOOKS: tuple[Hook, ...] = (
     # worker.py: the map and the hot head, at start-up (every scheduler rank, before graph capture)
     Hook(f"{WORKER}.init_token_map", f"{ON_WORKER}around_init_token_map", "AROUND", "(self)"),
     Hook(f"{WORKER}.init_lm_head", f"{ON_WORKER}around_init_lm_head", "AROUND", "(self)"),
+    # worker.py: rejection sampling with a map (stock's start-up refusal lifted, hot probs laid
+    # over the target vocab for verify)
+    Hook(
+        f"{WORKER}.alloc_memory_pool",
+        f"{ON_WORKER}around_alloc_memory_pool",
+        "AROUND",
+        "(self, memory_pool_config=, req_to_token_pool=, token_to_kv_pool_allocator=)",
+    ),
+    Hook(f"{WORKER}.draft", f"{ON_WORKER}after_draft", "AFTER", "(self, batch, *, with_topology=)"),
     # coverage.py: counters over the hot head installed just above (this hook wraps that one)
     Hook(f"{WORKER}.init_lm_head", f"{ON_COVERAGE}install_after_init_lm_head", "AFTER", "(self)"),
     Hook(

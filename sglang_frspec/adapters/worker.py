@@ -13,6 +13,7 @@ loaded and before any graph capture. With a token map, this module replaces both
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from sglang_frspec.core import (
     check_hot_ids_cover_topk,
     plan_from_ranges,
 )
+from sglang_frspec.core.hot_probs import lay_hot_probs_over_vocab
 from sglang_frspec.core.options import FrSpecOptions
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,45 @@ class FrSpecDraftHead:
 
 def _uses_token_map(worker) -> bool:
     return not worker.speculative_algorithm.is_eagle3() and (get_spec().speculative_token_map is not None)
+
+
+# Set while stock's start-up refusal of rejection sampling with a hot vocab is lifted (the flag
+# then reads False to stock's check, not to this plugin).
+_REJECTION_SAMPLING = contextvars.ContextVar("frspec_rejection_sampling", default=False)
+
+
+def _rejection_sampling() -> bool:
+    """Whether verify runs rejection sampling (``--speculative-use-rejection-sampling``, or block
+    verification, which turns it on): the draft's whole hot distribution is then needed."""
+    return _REJECTION_SAMPLING.get() or bool(get_spec().speculative_use_rejection_sampling)
+
+
+def around_alloc_memory_pool(original: Callable, worker, *args, **kwargs) -> None:
+    """AROUND hook: lift stock's start-up refusal of rejection sampling with a hot vocab (its
+    FIXME "scatter draft probs into the target vocab"): ``after_draft`` does that scatter. Stock's
+    check, the method's last step, runs with the flag off; the plugin's own start-up reads it."""
+    spec = get_spec()
+    if not (_uses_token_map(worker) and spec.speculative_use_rejection_sampling):
+        return original(worker, *args, **kwargs)
+    token = _REJECTION_SAMPLING.set(True)
+    try:
+        with spec.override(speculative_use_rejection_sampling=False):
+            return original(worker, *args, **kwargs)
+    finally:
+        _REJECTION_SAMPLING.reset(token)
+
+
+def after_draft(result, worker, *args, **kwargs):
+    """AFTER hook on ``draft``: lay the draft's ``[bs, steps, H]`` hot probabilities over the target
+    vocab where SGLang's rejection-sampling verify reads them (``EagleVerifyInput.draft_probs``).
+    Outside any graph; the same on every rank (every rank holds the same gathered hot logits)."""
+    state = state_of(worker)
+    verify_input = result[0] if isinstance(result, tuple) else result  # with_topology: a tuple
+    if state is None or state.head is None or verify_input.draft_probs is None:
+        return result
+    vocab = worker.target_worker.model_config.vocab_size
+    verify_input.draft_probs = lay_hot_probs_over_vocab(verify_input.draft_probs, worker.hot_token_id, vocab)
+    return result
 
 
 def around_init_token_map(original: Callable, worker) -> None:
@@ -164,6 +205,7 @@ def _install(worker, embed, head, options: FrSpecOptions, shard: HeadShard, hot:
         worker.topk,
         head.device,
         logit_scale=getattr(draft_model.logits_processor, "logit_scale", None),  # keep the draft's
+        needs_distribution=_rejection_sampling(),
     )
     draft_model.logits_processor = processor
     worker.hot_token_id = plan.hot_ids.to(head.device)
@@ -173,7 +215,14 @@ def _install(worker, embed, head, options: FrSpecOptions, shard: HeadShard, hot:
 def _report(options: FrSpecOptions, processor: FrSpecLogitsProcessor, shard: HeadShard, hot: HotIds,
             plan: HotShardPlan, local_head: torch.Tensor, topk: int, source: str) -> None:  # fmt: skip
     """Rank 0's start-up lines: fallbacks, repeated ids, the quantized head's bytes, the plan."""
-    if processor.exchange != options.exchange:
+    if processor.exchange != options.exchange and _rejection_sampling():
+        logger.warning(
+            "sglang-frspec: exchange=%s cannot give rejection sampling the draft's whole hot "
+            "distribution; using exchange=%s.",
+            options.exchange,
+            processor.exchange,
+        )
+    elif processor.exchange != options.exchange:
         logger.warning(
             "sglang-frspec: exchange=%s needs 0 < --speculative-eagle-topk < %d hot ids "
             "(topk is %d); using exchange=%s.",
@@ -238,6 +287,13 @@ class ShardedFRSpecEagleDraftWorker(EagleDraftWorker):
     def init_lm_head(self) -> None:
         parent = super().init_lm_head
         around_init_lm_head(lambda _worker: parent(), self)
+
+    def alloc_memory_pool(self, *args, **kwargs) -> None:
+        parent = super().alloc_memory_pool
+        around_alloc_memory_pool(lambda _worker, *a, **k: parent(*a, **k), self, *args, **kwargs)
+
+    def draft(self, batch, **kwargs):
+        return after_draft(super().draft(batch, **kwargs), self)
 
 
 def _refresh_on_every_rank(manager, wanted: bool) -> None:

@@ -1,17 +1,53 @@
-"""CPU-test-only SGLang plugin: report AMX so `--attention-backend intel_amx` is kept.
+"""CPU-test-only SGLang plugin: keep `--attention-backend intel_amx` and take the sampling verify.
 
 SGLang downgrades intel_amx to torch_native on CPUs without AMX, and torch_native has no EAGLE
-support. The layers still run torch-native code; the attention ops come from the sgl_kernel
-stand-in beside this file.
+support; reporting AMX keeps it. The layers still run torch-native code; the attention ops come
+from the sgl_kernel stand-in beside this file.
+
+SGLang's EAGLE verify commits argmax on CPU whatever the temperature (``_verify_uses_greedy`` lists
+``is_cpu``: there are no CPU sampling kernels). The stand-in has torch versions of both
+(``sgl_kernel/_sampling.py``), so this plugin routes the CPU to the sampling path and gives the
+verify those two ops: temperature > 0 requests then take SGLang's own sampling verify here.
 """
+
+import importlib
+from collections.abc import Callable
+
+VERIFY = "sglang.srt.speculative.eagle_utils."
+
+
+def _sampling_verify_on_cpu(original: Callable[..., bool], *, is_cpu: bool, **flags: bool) -> bool:
+    """``_verify_uses_greedy`` as on a device with sampling kernels: only all-greedy batches go greedy."""
+    return original(is_cpu=False, **flags)
+
+
+def _logged(op: str) -> Callable:
+    """The stand-in's op, noted in ``SGL_SHIM_LOG`` at each call (tests check the path taken)."""
+    from sgl_kernel import _log, _sampling
+
+    run = getattr(_sampling, op)
+
+    def call(*args, **kwargs):
+        _log(f"CALLED sampling.{op}")
+        return run(*args, **kwargs)
+
+    return call
 
 
 def register() -> None:
-    import torch
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.runtime_context import override_platform
 
     override_platform(has_amx=True).install()
-    if not torch.cuda.is_available():
-        # DeepSeek's set_embed_and_head (sglang/srt/models/deepseek_v2.py:3448, run when a NextN
-        # draft takes the target's head) synchronizes CUDA unconditionally: nothing to wait for here.
-        torch.cuda.synchronize = lambda device=None: None
+    HookRegistry.register(VERIFY + "_verify_uses_greedy", _sampling_verify_on_cpu, HookType.AROUND)
+    # The Triton ops of rejection sampling (the verify, and the draft proposal's Gumbel-max pick):
+    # the registry also rebinds every module's ``from ... import`` of them.
+    for target, op in (
+        ("sglang.kernels.ops.speculative.reject_sampling.", "chain_speculative_sampling_triton"),
+        ("sglang.kernels.ops.speculative.row_argmax.", "row_argmax"),
+    ):
+        HookRegistry.register(target + op, _logged(op), HookType.REPLACE)
+    # The CUDA op is None on CPU: set, not a REPLACE hook, which would rebind every module
+    # global that is the original object (every None in the process) to the replacement.
+    op = "tree_speculative_sampling_target_only"
+    setattr(importlib.import_module(VERIFY.rstrip(".")), op, _logged(op))

@@ -1,6 +1,7 @@
 """CPU-test-only stand-in for ``sgl_kernel`` (see ../README.md).
 
-Every ``sgl_kernel[.sub].name`` imports. Names implemented in ``_impl`` work; any other name is
+Every ``sgl_kernel[.sub].name`` imports. Names implemented in ``_impl`` (attention, KV cache and
+tree ops) or ``_sampling`` (the sampling-verify ops) work; any other name is
 a placeholder that raises ``NotImplementedError`` when called, so a code path that needs a
 missing kernel fails loudly. ``SGL_SHIM_LOG=FILE`` appends each resolved name to FILE.
 """
@@ -13,7 +14,10 @@ import types
 
 import torch
 
-from sgl_kernel import _impl
+from sgl_kernel import _impl, _sampling
+
+_FAMILIES = (_impl, _sampling)  # one module per op family
+_OWN_MODULES = {m.__name__ for m in _FAMILIES}
 
 __version__ = "0.0.0+frspec-cpu-standin"
 
@@ -51,9 +55,10 @@ def _module_getattr(module_name: str):
     def __getattr__(attr: str):
         if attr.startswith("__"):
             raise AttributeError(attr)
-        if hasattr(_impl, attr):
-            _log(f"IMPL {module_name}.{attr}")
-            return getattr(_impl, attr)
+        for family in _FAMILIES:
+            if hasattr(family, attr):
+                _log(f"IMPL {module_name}.{attr}")
+                return getattr(family, attr)
         _log(f"IMPORT-MISSING {module_name}.{attr}")
         return _Missing(f"{module_name}.{attr}")
 
@@ -67,7 +72,7 @@ class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Makes every ``sgl_kernel.<sub>`` importable as a namespace of placeholders."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname.startswith("sgl_kernel.") and fullname != "sgl_kernel._impl":
+        if fullname.startswith("sgl_kernel.") and fullname not in _OWN_MODULES:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 

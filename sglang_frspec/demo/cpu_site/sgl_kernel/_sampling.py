@@ -161,3 +161,9 @@ def chain_speculative_sampling_triton(
             norm_sum = residual.sum()
         sampled = _first_above(residual, uniform_samples_for_final_sampling[pid] * norm_sum)
         predicts[last] = sampled if sampled >= 0 else vocab - 1
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``kernels/ops/speculative/row_argmax.py`` (Triton): the draft proposal's Gumbel-max pick,
+    ``x.argmax(-1)`` of float32 rows, ties to the lowest index."""
+    return x.argmax(dim=-1)
