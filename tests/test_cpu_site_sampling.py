@@ -1,9 +1,9 @@
 """The CPU stand-in's sampling-verify ops (``cpu_site/sgl_kernel/_sampling.py``) against the originals.
 
-- ``chain_speculative_sampling_triton``: SGLang's own Triton kernel, run by Triton's interpreter
-  (``TRITON_INTERPRET=1``, in a child process: the variable is read when triton compiles the
-  decorator, so setting it here would leak into every other test of this process) on the same
-  inputs and fixed uniforms; every output must be identical.
+- ``chain_speculative_sampling_triton`` and ``row_argmax``: SGLang's own Triton kernels, run by
+  Triton's interpreter (``TRITON_INTERPRET=1``, in a child process: the variable is read when
+  triton compiles the decorator, so setting it here would leak into every other test of this
+  process) on the same inputs and fixed uniforms; every output must be identical.
 - ``tree_speculative_sampling_target_only`` (a CUDA kernel): against an independent reference of
   its documented semantics, written over a parent list in numpy float32.
 
@@ -35,13 +35,16 @@ _spec.loader.exec_module(ops)
 TRITON_CHILD = """
 import importlib.util, sys, torch
 root = importlib.util.find_spec("sglang").submodule_search_locations[0]  # no SGLang import: only triton
-path = root + "/kernels/ops/speculative/reject_sampling.py"
-spec = importlib.util.spec_from_file_location("reject_sampling", path)
-mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
-cases = torch.load(sys.argv[1])
-for case in cases:
-    mod.chain_speculative_sampling_triton(*case["args"], block_verification=case["block"])
-torch.save(cases, sys.argv[2])
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, f"{root}/kernels/ops/speculative/{name}.py")
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    return mod
+chain, argmax = load("reject_sampling"), load("row_argmax")
+data = torch.load(sys.argv[1])
+for case in data["chain"]:
+    chain.chain_speculative_sampling_triton(*case["args"], block_verification=case["block"])
+data["argmax"] = argmax.row_argmax(data["argmax"])
+torch.save(data, sys.argv[2])
 """
 
 
@@ -96,9 +99,17 @@ def _chain_cases() -> list[dict]:
     return cases
 
 
-def test_chain_sampling_matches_triton_kernel(tmp_path: Path):
-    cases = _chain_cases()
-    torch.save(cases, tmp_path / "in.pt")
+def _argmax_rows() -> torch.Tensor:
+    """Float32 rows wider than one Triton block, with ties (the lowest index must win)."""
+    x = torch.rand(6, 2500, generator=torch.Generator().manual_seed(5))
+    x[1, [7, 2300]] = 2.0  # a tie across blocks
+    x[2, [2049, 2050]] = 3.0  # a tie inside a block
+    return x
+
+
+def test_chain_sampling_and_row_argmax_match_triton_kernels(tmp_path: Path):
+    cases, rows = _chain_cases(), _argmax_rows()
+    torch.save({"chain": cases, "argmax": rows}, tmp_path / "in.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run(
         [sys.executable, "-c", TRITON_CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
@@ -109,8 +120,10 @@ def test_chain_sampling_matches_triton_kernel(tmp_path: Path):
     )
     assert out.returncode == 0, out.stderr[-4000:]
     kernel = torch.load(tmp_path / "out.pt")
+    assert torch.equal(ops.row_argmax(rows), kernel["argmax"]), (ops.row_argmax(rows), kernel["argmax"])
+    assert ops.row_argmax(rows)[1:3].tolist() == [7, 2049]
     accepted = set()
-    for case, ran in zip(cases, kernel):
+    for case, ran in zip(cases, kernel["chain"]):
         ops.chain_speculative_sampling_triton(*case["args"], block_verification=case["block"])
         for name, mine, theirs in zip(
             ("predicts", "accept_index", "accept_token_num"), case["args"], ran["args"]
