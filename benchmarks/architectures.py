@@ -64,7 +64,7 @@ class Architecture:
     head: str  # how SGLang holds the target's LM head (for the sweep's table)
     draft: str = "llama_eagle"  # llama_eagle | qwen2_eagle | deepseek_mtp | mimo_mtp
     algorithm: str = "EAGLE"
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
+    extra_args: tuple[str, ...] = field(default_factory=tuple)  # for every server of it
 
 
 ARCHITECTURES = {
@@ -126,7 +126,10 @@ ARCHITECTURES = {
                 "layer_types": ["sliding_attention", "full_attention"],
                 "query_pre_attn_scalar": 32,
             },
-            "tied: embed_tokens (scaled VocabParallelEmbedding); logits softcapped",
+            "tied: embed_tokens (replicated nn.Embedding, a row slice per rank); logits softcapped",
+            # SGLang's dtype "auto" runs a float32 Gemma checkpoint in bfloat16 but the float32 Llama
+            # draft in float16, and the draft then multiplies bf16 inputs by fp16 weights: one dtype.
+            extra_args=("--dtype", "float32"),
         ),
         Architecture(
             "phi3",

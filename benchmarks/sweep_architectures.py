@@ -34,9 +34,10 @@ PROMPTS = [[5, 77, 1203], [4000, 17], [9, 9, 9, 9, 2500]]
 _ERROR_LINE = re.compile(r"^\s*(?:\w+\.)*\w*(?:Error|Exception|NotImplemented\w*)\b.*$", re.M)
 
 
-def serve(fixture, log_path: Path, speculative: list[str] | None) -> SGLangServer:
+def serve(fixture, log_path: Path, speculative: list[str] | None, extra: tuple[str, ...]) -> SGLangServer:
     """A CPU TP=2 server of the fixture's target; ``speculative`` adds the draft (and map)."""
-    args = ["--model-path", fixture.target, "--tp-size", str(TP), *CPU_SERVER_ARGS, *(speculative or [])]
+    args = ["--model-path", fixture.target, "--tp-size", str(TP), *CPU_SERVER_ARGS, *extra]
+    args += speculative or []
     return SGLangServer(args, cpu_env(TP), log_path, launch=forked_launch)
 
 
@@ -50,10 +51,10 @@ def first_error(log: str) -> str:
     return (lines[0] if lines else log.strip().splitlines()[-1]).strip()[:400]
 
 
-def run_server(fixture, log_path: Path, speculative: list[str] | None) -> dict:
+def run_server(fixture, log_path: Path, speculative: list[str] | None, extra: tuple[str, ...]) -> dict:
     """Outputs and accept lengths of one server, or the error that stopped it."""
     start = time.monotonic()
-    server = serve(fixture, log_path, speculative)
+    server = serve(fixture, log_path, speculative, extra)
     try:
         with server:
             outs = server.generate(PROMPTS, NEW_TOKENS)
@@ -91,13 +92,13 @@ def sweep_one(name: str, log_dir: Path) -> dict:
         fixture = architecture_fixture(name)
     except Exception as e:  # noqa: BLE001 - a builder failing is a result of the sweep, not its end
         return row | {"status": "build failed", "error": f"{type(e).__name__}: {e}"[:400]}
-    plain = run_server(fixture, log_dir / f"{name}-plain.log", None)
+    plain = run_server(fixture, log_dir / f"{name}-plain.log", None, arch.extra_args)
     row["plain"] = plain
     if "error" in plain:
         return row | {"status": "plain server failed", "error": plain["error"]}
     row["plain_equals_hf"] = agrees_with_hf(fixture.target, plain["output_ids"])
     speculative = eagle_args(fixture.draft, fixture.token_map("hot"), algorithm=arch.algorithm)
-    spec = run_server(fixture, log_dir / f"{name}-plugin.log", speculative)
+    spec = run_server(fixture, log_dir / f"{name}-plugin.log", speculative, arch.extra_args)
     row["plugin_server"] = spec
     if "error" in spec:
         return row | {"status": "plugin server failed", "error": spec["error"]}

@@ -422,3 +422,117 @@ def weight_update_refresh(payload: dict) -> dict:
     result = manager.end_weight_update(EndWeightUpdateReqInput())
     record("end_without_session", 5, result)
     return out
+
+
+def _swaps_into(plan, hot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, ids): each rank's first hot position and an id outside the map, from the rank's
+    own vocab range under the local layout, from the next rank's under the balanced one."""
+    outside = torch.ones(plan.shard_ranges[-1][1], dtype=torch.bool)
+    outside[hot] = False
+    positions, ids = [], []
+    for rank, (offset, count) in enumerate(zip(plan.offsets, plan.counts)):
+        source = rank if plan.layout == "local" else (rank + 1) % plan.tp_size
+        start, end = plan.shard_ranges[source]
+        if count:
+            positions.append(offset)
+            ids.append(start + int(outside[start:end].nonzero()[0]))
+    return torch.tensor(positions), torch.tensor(ids)
+
+
+def replicated_table_head(payload: dict) -> dict:
+    """Gemma 3's tied head at TP > 1, from SGLang's own ``Gemma3ForCausalLM``: its
+    ``get_embed_and_head_for_draft`` hands the draft this rank's row slice of the embedding table
+    that every rank holds whole, sliced over the group of the draft's embedding (a
+    ``VocabParallelEmbedding``, as ``LlamaForCausalLMEagle`` builds it).
+
+    Returns the shard the plugin finds, and per (map, layout, exchange) this rank's draft logits,
+    the exchange that ran, the hot head before and after a weight refresh (with the rows it must
+    hold) and the collectives that building and refreshing it ran; the single-rank references
+    ``h @ table[sorted(set(ids))].T``; the shard found for a whole-table head; and the error for a
+    slice no even split gives.
+    """
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from sglang.srt.models.gemma3_causal import Gemma3ForCausalLM
+    from sglang.srt.runtime_context import get_parallel
+    from transformers import Gemma3TextConfig
+
+    from sglang_frspec.adapters.head import (
+        build_hot_head,
+        check_head_supported,
+        find_head_shard,
+        hot_row_reader,
+    )
+    from sglang_frspec.adapters.logits import FrSpecLogitsProcessor
+    from sglang_frspec.core import UnsupportedSetupError, canonical_hot_ids, plan_from_ranges
+    from sglang_frspec.core.gather import place_hot_rows
+
+    vocab, hidden = payload["vocab"], payload["hidden"]
+    config = Gemma3TextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                              num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=1, head_dim=16,
+                              tie_word_embeddings=True)  # fmt: skip
+    model = Gemma3ForCausalLM(config)
+    tables = [torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+    model.model.embed_tokens.weight.data.copy_(tables[0])  # the same checkpoint on every rank
+    _, head = model.get_embed_and_head_for_draft(VocabParallelEmbedding(vocab, hidden))
+    shard = find_head_shard(model, head)
+    check_head_supported(shard.module)
+    group = get_parallel().tp_group
+    collectives = []
+    gather = group.all_gather_into_tensor
+    group.all_gather_into_tensor = lambda *args: (collectives.append("all_gather"), gather(*args))[1]
+    hidden_states = torch.randn(payload["rows"], hidden, generator=torch.Generator().manual_seed(2))
+
+    def where(found) -> tuple:
+        return found.group_name, found.tp_size, found.shard_ranges, found.replicated
+
+    out = {"rank": shard.rank, "shard": where(shard), "module": type(shard.module).__name__}
+    for name, ids in payload["maps"].items():
+        columns = sorted(set(ids))
+        out[name] = [hidden_states @ table[columns].T for table in tables]
+        hot = canonical_hot_ids(torch.tensor(ids), vocab).ids
+        for layout in ("local", "balanced"):
+            model.model.embed_tokens.weight.data.copy_(tables[0])
+            plan = plan_from_ranges(hot, shard.shard_ranges, layout)
+            collectives.clear()
+            local_head = build_hot_head(shard, plan, torch.float32)
+            first, count = plan.offsets[shard.rank], plan.counts[shard.rank]
+            case = {"counts": plan.counts, "build_collectives": len(collectives)}
+            case["rows_exact"] = torch.equal(local_head[:count], tables[0][hot[first : first + count]])
+            case["padding_zero"] = not local_head[count:].any()
+            draft = _draft_head(vocab, hidden, torch.float32, local_head)
+            processors = {
+                e: FrSpecLogitsProcessor(config, plan, shard, e, payload["topk"], "cpu")
+                for e in ("full", "topk")
+            }
+            for exchange, processor in processors.items():
+                logits = processor._get_logits(hidden_states, draft, None, use_logits_buffer=False)
+                case[exchange] = (processor.exchange, logits)
+            # An adaptive swap at each rank's first position, as the adapter applies it: an id of
+            # the rank's own slice (local layout) or of the next rank's (balanced: rows cross).
+            positions, ids_in = _swaps_into(plan, hot)
+            place_hot_rows(hot_row_reader(shard), ids_in, plan, shard.rank, shard.all_gather, local_head,
+                           positions=positions)  # fmt: skip
+            mine = (positions >= first) & (positions < first + count)
+            case["swapped_exact"] = torch.equal(local_head[positions[mine] - first], tables[0][ids_in[mine]])
+            # A weight update writes the table in place; the refresh re-reads the map's rows.
+            model.model.embed_tokens.weight.data.copy_(tables[1])
+            collectives.clear()
+            refreshed = build_hot_head(shard, plan, torch.float32, out=local_head)
+            case["refresh_collectives"] = len(collectives)
+            case["refresh_in_place"] = refreshed.data_ptr() == local_head.data_ptr()
+            case["refreshed"] = processors["full"]._get_logits(
+                hidden_states, draft, None, use_logits_buffer=False
+            )
+            out[name, layout] = case
+    group.all_gather_into_tensor = gather
+    # A draft embedding that is not vocab-parallel: Gemma 3 hands it the whole table.
+    _, whole = model.get_embed_and_head_for_draft(VocabParallelEmbedding(vocab, hidden, enable_tp=False))
+    out["whole"] = where(find_head_shard(model, whole))
+    # Rows no even split over the group gives this rank (shifted by one row).
+    start = shard.shard_ranges[shard.rank][0]
+    try:
+        find_head_shard(model, model.model.embed_tokens.weight[start + 1 : start + 1 + head.shape[0] - 1])
+        out["shifted"] = "accepted"
+    except UnsupportedSetupError as e:
+        out["shifted"] = str(e)
+    return out

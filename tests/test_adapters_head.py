@@ -236,3 +236,62 @@ def test_building_the_hot_head_stays_within_its_memory_budget(tp):
             assert got["exact"], (r, layout)
             assert got["build"] <= got["head_bytes"] + chunk + slack, (r, layout, got)
             assert got["refresh"] <= chunk + slack, (r, layout, got)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp", [2, 3])
+def test_head_sliced_from_a_replicated_table_gives_exact_hot_logits(tp):
+    """Gemma 3 at TP > 1 (SGLang's own ``Gemma3ForCausalLM``): the head is each rank's row slice of
+    an embedding table every rank holds whole. Under both layouts each rank takes its hot rows from
+    the table by global id, with no collective at start-up or at a refresh; the draft logits are
+    bit-identical on every rank and equal the single-rank reference for both exchanges."""
+    vocab, hidden, rows, topk = 5003, 48, 5, 4  # hidden: a multiple of the 6 heads (divisible by tp)
+    per_rank = -(-vocab // tp)  # Gemma 3's slices: no padding to 64, unlike a VocabParallelEmbedding
+    ranges = tuple((min(r * per_rank, vocab), min((r + 1) * per_rank, vocab)) for r in range(tp))
+    assert ranges != vocab_shard_ranges(vocab, tp)  # so a plan over SGLang's padded shards would fail
+    last = ranges[-1][0]
+    maps = {
+        "skewed": skewed_ids(vocab, 600),
+        "all_on_last": list(range(last, last + 77)),  # every rank but the last computes nothing locally
+        "boundaries": [vocab - 1, *(i for s, e in ranges for i in (s, s + 1, e - 1)), 0, 0],
+    }
+    payload = {"vocab": vocab, "hidden": hidden, "rows": rows, "topk": topk, "maps": maps}
+    results = run_tp_group(rank_cases_adapters.replicated_table_head, tp, payload)
+    for rank, r in enumerate(results):
+        assert (r["rank"], r["shard"], r["module"]) == (
+            rank,
+            ("tp", tp, ranges, True),
+            "Gemma3TextScaledWordEmbedding",
+        )
+        assert r["whole"] == (None, 1, ((0, vocab),), True)  # a whole-table head is not sharded
+        assert "no even slice of it over the tp or attn_tp group gives this rank those rows" in r["shifted"]
+        assert "Serve this model without --speculative-token-map, or at --tp-size 1" in r["shifted"]
+    for name, ids in maps.items():
+        reference, updated = results[0][name]
+        for layout in ("local", "balanced"):
+            cases = [r[name, layout] for r in results]
+            for case in cases:
+                assert case["rows_exact"] and case["padding_zero"] and case["refresh_in_place"], (
+                    name,
+                    layout,
+                )
+                assert case["swapped_exact"], (name, layout)  # the adapter's reader: rows by global id
+                assert case["build_collectives"] == case["refresh_collectives"] == 0, (name, layout)
+            counts = cases[0]["counts"]
+            if layout == "local":  # each rank computes the hot ids of its own slice
+                assert list(counts) == [len({i for i in ids if s <= i < e}) for s, e in ranges]
+            else:
+                assert sum(counts) == len(set(ids)) and max(counts) - min(counts) <= 1
+            for exchange in ("full", "topk"):
+                assert {case[exchange][0] for case in cases} == {exchange}
+                logits = [case[exchange][1] for case in cases]
+                assert all(torch.equal(logits[0], other) for other in logits[1:]), (name, layout, exchange)
+            full, packed = cases[0]["full"][1], cases[0]["topk"][1]
+            torch.testing.assert_close(full, reference, rtol=1e-5, atol=1e-4)
+            want_p, want_i = torch.softmax(full, -1).topk(topk, dim=-1)
+            got_p, got_i = torch.softmax(packed, -1).topk(topk, dim=-1)
+            assert torch.equal(full.gather(1, got_i), full.gather(1, want_i)), (name, layout)
+            torch.testing.assert_close(got_p, want_p, rtol=1e-4, atol=1e-6)
+            refreshed = [case["refreshed"] for case in cases]
+            assert all(torch.equal(refreshed[0], other) for other in refreshed[1:]), (name, layout)
+            torch.testing.assert_close(refreshed[0], updated, rtol=1e-5, atol=1e-4)

@@ -34,6 +34,7 @@ FAMILIES = [
     "llama_tied",  # the head is the target's embed_tokens: a VocabParallelEmbedding, not a ParallelLMHead
     "llama_softcap",  # final-logit softcapping, applied by the plugin's draft processor too
     "qwen2",  # SGLang's Qwen2 EAGLE draft class; Qwen2's head always shards over the tp group
+    "gemma3_softcap",  # the tied head is each rank's row slice of a table every rank holds whole
     "mimo_mtp",  # an MTP draft loaded from the target's own checkpoint, NEXTN
     "deepseek_v3_nextn",  # MLA target (MHA prefill, absorbed-MLA extends), its MoE NextN layer, NEXTN
 ]
@@ -55,15 +56,12 @@ def decodes_as_greedy(name: str, start_server, topk: int) -> None:
     """A TP=2 server of ``name`` with the draft (``topk``), the map and the plugin: the plugin's
     line, greedy outputs (tie-aware against HF), the draft really ran."""
     fixture = architecture_fixture(name)
+    arch = ARCHITECTURES[name]
     token_map = fixture.token_map("hot")
     speculative = eagle_args(
-        fixture.draft,
-        token_map,
-        algorithm=ARCHITECTURES[name].algorithm,
-        topk=topk,
-        draft_tokens=4 if topk > 1 else 3,
+        fixture.draft, token_map, algorithm=arch.algorithm, topk=topk, draft_tokens=4 if topk > 1 else 3
     )
-    server = start_server(fixture, 2, eagle=False, extra=tuple(speculative))
+    server = start_server(fixture, 2, eagle=False, extra=(*speculative, *arch.extra_args))
     assert_plugin_active(server, num_hot(token_map), 2)
     outs = server.generate(PROMPTS, NEW)
     expected = [reference_greedy(fixture.target, prompt, NEW) for prompt in PROMPTS]

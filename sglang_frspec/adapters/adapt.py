@@ -49,7 +49,7 @@ class HotSetAdapter:
             status = ("error", type(e).__name__, str(e))
         agree_across_ranks(status, get_parallel().tp_group)  # every rank raises, or none
         self.groups = swap_groups(head.plan)
-        self.read_rows = hot_row_reader(head.shard.module)  # as the start-up head read them
+        self.read_rows = hot_row_reader(head.shard)  # as the start-up head read them
         self.head = head
         self.hot_token_id = hot_token_id
         self.counts = counts

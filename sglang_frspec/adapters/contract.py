@@ -109,6 +109,7 @@ CONTRACT: tuple[Entry, ...] = (
     Named("sglang.srt.runtime_context", "attn_tp_rank"),
     # args.py and adapt.py: DP attention's width (the adaptive map is refused under it)
     Attribute("sglang.srt.arg_groups.fields.parallel:Parallel.attn_dp_size"),
+    Named("sglang.srt.runtime_context", "attn_tp_size"),  # head.py: the group a table slice is over
     Signature(
         "sglang.srt.distributed.parallel_state:GroupCoordinator.all_gather_into_tensor",
         "(self, output, input)",

@@ -1,4 +1,8 @@
-"""Seam 1: the target's vocab-parallel LM head (which module, which group, which rows)."""
+"""Seam 1: the target's LM head shard (which module, which group, which rows).
+
+A head is a ``VocabParallelEmbedding``'s own shard, or a row slice of a table that every rank holds
+whole (Gemma 3's tied ``nn.Embedding``, which its ``get_embed_and_head`` slices per rank).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabPara
 from sglang.srt.runtime_context import get_parallel
 
 from sglang_frspec.adapters.quantized_head import check_quantized_head_readable, read_quantized_rows
-from sglang_frspec.core import HotShardPlan, UnsupportedSetupError
+from sglang_frspec.core import HotShardPlan, UnsupportedSetupError, build_head_from_table, table_slice_ranges
 from sglang_frspec.core.gather import AllGather, RowReader, place_hot_rows, shard_row_reader
 
 _SLICEABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -22,11 +26,12 @@ _PLAIN_HEAD_TENSORS = {"weight", "bias"}  # an unquantized head (its bias is not
 class HeadShard:
     """Where this rank's rows of the target LM head sit in the vocab, and who shares them."""
 
-    module: VocabParallelEmbedding
+    module: torch.nn.Module  # the VocabParallelEmbedding, or the module of a replicated table
     group_name: str | None  # "tp" or "attn_tp"; None when the head is not sharded
     rank: int
     shard_ranges: tuple[tuple[int, int], ...]  # original-vocab range of every rank
     vocab_size: int  # original vocab (ids at or above it are padding or LoRA rows)
+    replicated: bool = False  # module.weight is the whole [vocab, hidden] table on every rank
 
     @property
     def tp_size(self) -> int:
@@ -42,31 +47,70 @@ class HeadShard:
         getattr(get_parallel(), f"{self.group_name}_group").all_gather_into_tensor(output, local)
 
 
-def find_head_module(target_model: torch.nn.Module, head: torch.Tensor) -> VocabParallelEmbedding:
-    """The target module whose weight is ``head`` (the layout must come from the owner)."""
-    for module in target_model.modules():
-        weight = getattr(module, "weight", None)
-        if (
-            isinstance(module, VocabParallelEmbedding)
-            and isinstance(weight, torch.Tensor)
-            and (weight is head or weight.data_ptr() == head.data_ptr())
+def find_head_shard(target_model: torch.nn.Module, head: torch.Tensor) -> HeadShard:
+    """This rank's shard of the target LM head ``head`` (the layout must come from its owner): a
+    ``VocabParallelEmbedding`` whose weight it is, or a table of which it is a row slice."""
+    modules = [m for m in target_model.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)]
+    for module in modules:
+        if isinstance(module, VocabParallelEmbedding) and (
+            module.weight is head or module.weight.data_ptr() == head.data_ptr()
         ):
-            return module
+            return describe_head_shard(module)
+    for module in modules:
+        table = module.weight
+        if not isinstance(module, VocabParallelEmbedding) and _row_slice_start(table, head) is not None:
+            return describe_table_slice(module, head)
     raise UnsupportedSetupError(
-        f"sglang-frspec could not find the vocab-parallel module of "
-        f"{type(target_model).__name__} that owns the LM head shared with the draft, so the "
-        "vocab shard of each rank is unknown. Serve this model without "
+        f"sglang-frspec could not find the module of {type(target_model).__name__} that owns the "
+        "LM head shared with the draft (a vocab-parallel embedding, or a table the head is a row "
+        "slice of), so the vocab shard of each rank is unknown. Serve this model without "
         "--speculative-token-map, or at --tp-size 1."
     )
 
 
-def check_head_supported(module: VocabParallelEmbedding) -> None:
-    """Reject heads whose rows are neither plain floating-point rows of the vocab shard nor
-    quantized rows in a layout the plugin reads back."""
+def _row_slice_start(table: torch.Tensor, head: torch.Tensor) -> int | None:
+    """The first row of ``table`` that ``head`` views, when ``head`` is a run of its whole rows."""
+    if table.dim() != 2 or head.dim() != 2 or head.dtype != table.dtype or head.device != table.device:
+        return None
+    if head.shape[1] != table.shape[1] or head.stride() != table.stride():
+        return None
+    if head.untyped_storage().data_ptr() != table.untyped_storage().data_ptr():
+        return None
+    start, partial = divmod(head.storage_offset() - table.storage_offset(), table.stride(0))
+    return start if not partial and start >= 0 and start + head.shape[0] <= table.shape[0] else None
+
+
+def describe_table_slice(module: torch.nn.Module, head: torch.Tensor) -> HeadShard:
+    """The shard of a head that is this rank's row slice of ``module.weight``, a table every rank
+    holds whole: the group it was sliced over and every rank's rows (``table_slice_ranges``,
+    checked against this rank's own slice; no collective)."""
+    vocab = module.weight.shape[0]
+    start = _row_slice_start(module.weight, head)
+    own = (start, start + head.shape[0])
+    if own == (0, vocab):  # the whole table (a draft whose embedding is not vocab-parallel)
+        return HeadShard(module, None, 0, (own,), vocab, replicated=True)
+    parallel = get_parallel()
+    for group_name in ("tp", "attn_tp"):
+        rank, size = getattr(parallel, f"{group_name}_rank"), getattr(parallel, f"{group_name}_size")
+        ranges = table_slice_ranges(vocab, size)
+        if size > 1 and ranges[rank] == own:
+            return HeadShard(module, group_name, rank, ranges, vocab, replicated=True)
+    raise UnsupportedSetupError(
+        f"the LM head shared with the draft is rows [{own[0]}, {own[1]}) of the {vocab}-row table "
+        f"of {type(module).__name__}, which every rank holds whole, but no even slice of it over the "
+        "tp or attn_tp group gives this rank those rows (rank r of n holds rows [r*ceil(V/n), "
+        "(r+1)*ceil(V/n))), so the other ranks' rows are unknown. Serve this model without "
+        "--speculative-token-map, or at --tp-size 1."
+    )
+
+
+def check_head_supported(module: torch.nn.Module) -> None:
+    """Reject heads whose rows are neither plain floating-point rows (of the vocab shard, or of a
+    table every rank holds whole) nor quantized vocab-shard rows in a layout the plugin reads back."""
     weight = getattr(module, "weight", None)  # quantized heads keep e.g. `qweight` instead
     # On an AMX CPU SGLang swaps a bf16/fp16 head's method to PackWeightMethod: packed, not quantized.
     if (
-        isinstance(module.quant_method, PackWeightMethod)
+        isinstance(getattr(module, "quant_method", None), PackWeightMethod)
         or getattr(weight, "is_gguf_weight_type", False)
         or getattr(module, "use_intel_amx_backend", False)
     ):
@@ -78,6 +122,12 @@ def check_head_supported(module: VocabParallelEmbedding) -> None:
     # Judged by what the module holds, not by its method's class: SGLang gives a head that the
     # checkpoint leaves unquantized UnquantizedEmbeddingMethod or UnquantizedLinearMethod.
     quantization_tensors = _quantization_tensors(module)
+    if quantization_tensors and not isinstance(module, VocabParallelEmbedding):
+        raise UnsupportedSetupError(
+            f"the target LM head is a slice of the table of {type(module).__name__}, which holds "
+            f"{', '.join(quantization_tensors)} besides plain rows; only plain rows of such a table "
+            "can be sliced. Drop --speculative-token-map."
+        )
     if quantization_tensors:
         check_quantized_head_readable(module, quantization_tensors)
         return
@@ -91,6 +141,8 @@ def check_head_supported(module: VocabParallelEmbedding) -> None:
             f"the target LM head weight is {weight.dtype} with shape {tuple(weight.shape)}; "
             "FR-Spec needs a plain 2-D fp16/bf16/fp32 head. Drop --speculative-token-map."
         )
+    if not isinstance(module, VocabParallelEmbedding):  # a whole table: the head is its row slice
+        return
     if weight.shape[0] != module.num_embeddings_per_partition:
         raise UnsupportedSetupError(
             f"the target LM head has {weight.shape[0]} local rows but its vocab shard has "
@@ -112,9 +164,14 @@ def _quantization_tensors(module: VocabParallelEmbedding) -> list[str]:
     return sorted(names - _PLAIN_HEAD_TENSORS)
 
 
-def hot_row_reader(module: VocabParallelEmbedding) -> RowReader:
-    """Reads rows of this rank's vocab shard of a head ``check_head_supported`` accepted, into the
-    destination's dtype: a plain head's rows as they are, a quantized head's dequantized."""
+def hot_row_reader(shard: HeadShard) -> RowReader:
+    """Reads rows of this rank's vocab shard of a head ``check_head_supported`` accepted (row i is
+    token ``shard_ranges[rank][0] + i``), into the destination's dtype: a plain head's rows as they
+    are, a quantized head's dequantized."""
+    module = shard.module
+    if shard.replicated:  # the shard is this rank's slice of the whole table
+        start, end = shard.shard_ranges[shard.rank]
+        return shard_row_reader(module.weight.detach()[start:end])
     if not _quantization_tensors(module):
         return shard_row_reader(module.weight)
 
@@ -134,10 +191,12 @@ def build_hot_head(
     its whole shard.
     """
     module = shard.module
+    if shard.replicated:  # every rank holds every row: no exchange under either layout
+        return build_head_from_table(module.weight, plan, shard.rank, out=out)
     if out is None:
         dtype = dtype if _quantization_tensors(module) else module.weight.dtype
         out = module.weight.new_zeros((plan.width, module.embedding_dim), dtype=dtype)
-    place_hot_rows(hot_row_reader(module), plan.hot_ids, plan, shard.rank, shard.all_gather, out)
+    place_hot_rows(hot_row_reader(shard), plan.hot_ids, plan, shard.rank, shard.all_gather, out)
     return out
 
 

@@ -29,8 +29,7 @@ from sglang_frspec.adapters.head import (
     check_draft_supported,
     check_draft_uses_hot_head,
     check_head_supported,
-    describe_head_shard,
-    find_head_module,
+    find_head_shard,
     quantized_head_bytes,
 )
 from sglang_frspec.adapters.logits import FrSpecLogitsProcessor
@@ -171,7 +170,7 @@ def _check_and_agree(
         if state.map_error is not None:
             raise state.map_error
         options = FrSpecOptions.from_env()
-        shard = describe_head_shard(find_head_module(worker.target_worker.model_runner.model, head))
+        shard = find_head_shard(worker.target_worker.model_runner.model, head)
         check_head_supported(shard.module)
         hot = canonical_hot_ids(state.map_ids, shard.vocab_size, source=state.map_source)
         check_hot_ids_cover_topk(len(hot), worker.topk, source=state.map_source)

@@ -1,12 +1,13 @@
 """Pure core: token maps, shard plans and hot-logit exchanges. Imports torch only, never SGLang."""
 
 from sglang_frspec.core.errors import TokenMapError, UnsupportedSetupError
-from sglang_frspec.core.gather import EXCHANGES, HotLogitsExchange, build_local_head
+from sglang_frspec.core.gather import EXCHANGES, HotLogitsExchange, build_head_from_table, build_local_head
 from sglang_frspec.core.plan import (
     LAYOUTS,
     HotShardPlan,
     plan_from_ranges,
     plan_hot_shards,
+    table_slice_ranges,
     vocab_shard_ranges,
 )
 from sglang_frspec.core.token_map import (
@@ -27,6 +28,7 @@ __all__ = [
     "HotWireOrder",
     "TokenMapError",
     "UnsupportedSetupError",
+    "build_head_from_table",
     "build_local_head",
     "canonical_hot_ids",
     "check_hot_ids_cover_topk",
@@ -34,5 +36,6 @@ __all__ = [
     "plan_from_ranges",
     "plan_hot_shards",
     "read_token_map",
+    "table_slice_ranges",
     "vocab_shard_ranges",
 ]

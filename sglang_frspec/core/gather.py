@@ -156,6 +156,25 @@ def _owned_indices(ids: torch.Tensor, start: int, end: int, size: int) -> Iterat
         yield pending
 
 
+def build_head_from_table(
+    table: torch.Tensor, plan: HotShardPlan, rank: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """This rank's ``[plan.width, hidden]`` hot head from a ``[V, hidden]`` table that every rank
+    holds whole: the rows of the hot columns it computes, taken locally by global id.
+
+    Under either layout the head ``build_local_head`` would build from the rank's slice of the
+    table, without its row exchange: no row needs to cross ranks, so no collective runs (at
+    start-up or at a refresh). ``out`` is refilled in place; unused slots stay zero rows.
+    """
+    table = table.detach()  # an nn.Embedding's weight requires grad; the head is a plain copy
+    if out is None:
+        out = table.new_zeros((plan.width, table.shape[1]))
+    first, count = plan.offsets[rank], plan.counts[rank]
+    ids = plan.hot_ids[first : first + count].to(table.device)
+    torch.index_select(table, 0, ids, out=out[:count])
+    return out
+
+
 # The fill sits at least this far below the k-th value (in logits): SGLang picks from softmax
 # probabilities, where logits closer than about 1e-7 can round to one probability, and a tie
 # there goes to the lower column, which may be a fill column. 2**-20 keeps the fill's

@@ -47,6 +47,21 @@ def vocab_shard_ranges(
     if _round_up(vocab_size, unit) % tp_size:
         unit *= tp_size
     per_rank = _round_up(vocab_size, unit) // tp_size
+    return _clipped_slices(vocab_size, tp_size, per_rank)
+
+
+def table_slice_ranges(vocab_size: int, tp_size: int) -> tuple[tuple[int, int], ...]:
+    """Rows [start, end) each rank slices out of a table that every rank holds whole.
+
+    SGLang's Gemma 3 hands the draft ``table[r * ceil(V/tp) : (r + 1) * ceil(V/tp)]`` as rank r's
+    head (no padding to 64, unlike a ``VocabParallelEmbedding``), clipped to the table.
+    """
+    if vocab_size <= 0 or tp_size <= 0:
+        raise ValueError(f"need positive sizes, got {vocab_size=}, {tp_size=}")
+    return _clipped_slices(vocab_size, tp_size, -(-vocab_size // tp_size))
+
+
+def _clipped_slices(vocab_size: int, tp_size: int, per_rank: int) -> tuple[tuple[int, int], ...]:
     return tuple((min(r * per_rank, vocab_size), min((r + 1) * per_rank, vocab_size)) for r in range(tp_size))
 
 
