@@ -1,0 +1,352 @@
+"""The CPU stand-in's linear-attention ops (``cpu_site/sgl_kernel/_linear_attention.py``) against
+independent references: SGLang's own Triton kernels run by Triton's interpreter
+(``TRITON_INTERPRET=1``, in one child process: the variable is read when triton compiles the
+decorator, so setting it here would leak into every other test of this process), and
+Transformers' torch gated-delta-rule functions (``models/qwen3_next/modeling_qwen3_next.py``).
+
+Fixtures have two key heads and four value heads, key head size 8 and value head size 4, so a
+transposed state or a wrong key-head sharing cannot pass. The stand-in file is loaded by path for
+the numeric tests; ``test_exported_where_sglang_looks`` imports the package as SGLang does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglang_frspec.demo.cpu import CPU_SITE
+
+pytest.importorskip("triton")
+hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+
+_spec = importlib.util.spec_from_file_location(
+    "frspec_cpu_site_linear_attention", CPU_SITE / "sgl_kernel" / "_linear_attention.py"
+)
+ops = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ops)
+
+H, HV, K, V = 2, 4, 8, 4  # key heads, value heads, key head size, value head size
+DIM, WIDTH = 6, 4  # conv channels, conv kernel width (Qwen3-Next's)
+SLOTS = 5
+# An EAGLE tree of 5 draft slots: 0 -> {1, 2}, 1 -> 3, 2 -> 4 (first-child / next-sibling links).
+NEXT_TOKEN = [1, 3, 4, -1, -1]
+NEXT_SIBLING = [-1, 2, -1, -1, -1]
+TREE_PARENTS = [0, 0, 0, 1, 2]
+
+TRITON_CHILD = """
+import sys, torch
+from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_fn, causal_conv1d_update
+from sglang.kernels.ops.attention.linear.fused_gdn_gating import fused_gdn_gating
+from sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent import (
+    fused_sigmoid_gating_delta_rule_update,
+)
+kernels = {"conv_fn": causal_conv1d_fn, "conv_update": causal_conv1d_update,
+           "gating": fused_gdn_gating, "recurrent": fused_sigmoid_gating_delta_rule_update}
+cases = torch.load(sys.argv[1])
+for case in cases.values():
+    case["out"] = kernels[case["kernel"]](*case["args"], **case["kwargs"])
+torch.save(cases, sys.argv[2])
+"""
+
+
+def _clone(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _conv_fn_case() -> dict:
+    g = _gen(1)
+    lens = [5, 3, 4]
+    x = torch.randn(DIM, sum(lens), generator=g)
+    return {
+        "kernel": "conv_fn",
+        "args": (x, torch.randn(DIM, WIDTH, generator=g), torch.randn(DIM, generator=g)),
+        "kwargs": {
+            "conv_states": torch.randn(SLOTS, DIM, WIDTH - 1, generator=g),
+            "query_start_loc": torch.tensor([0, 5, 8, 12], dtype=torch.int32),
+            "seq_lens_cpu": lens,
+            "cache_indices": torch.tensor([3, 0, 2], dtype=torch.int32),
+            "has_initial_state": torch.tensor([True, False, True]),
+            "activation": "silu",
+        },
+    }
+
+
+def _conv_update_case(seqlen: int, tree: bool) -> dict:
+    g = _gen(2 + seqlen + tree)
+    batch = 2
+    kwargs = {"conv_state_indices": torch.tensor([4, 1], dtype=torch.int32)}
+    if seqlen > 1:
+        kwargs["intermediate_conv_window"] = torch.zeros(3, seqlen, DIM, WIDTH - 1)
+        kwargs["intermediate_state_indices"] = torch.tensor([2, 0], dtype=torch.int32)
+    if tree:
+        kwargs["retrieve_next_token"] = torch.tensor([NEXT_TOKEN] * batch, dtype=torch.int32)
+        kwargs["retrieve_next_sibling"] = torch.tensor([NEXT_SIBLING] * batch, dtype=torch.int32)
+        kwargs["retrieve_parent_token"] = torch.full((batch, seqlen), -9, dtype=torch.int32)
+    x = torch.randn(batch, DIM, seqlen, generator=g)
+    return {
+        "kernel": "conv_update",
+        "args": (
+            x if seqlen > 1 else x[..., 0],
+            torch.randn(SLOTS, DIM, WIDTH - 1, generator=g),
+            torch.randn(DIM, WIDTH, generator=g),
+            torch.randn(DIM, generator=g),
+            "silu",
+        ),
+        "kwargs": kwargs,
+    }
+
+
+def _gating_case() -> dict:
+    g = _gen(7)
+    tokens = 6
+    return {
+        "kernel": "gating",
+        "args": (
+            torch.randn(HV, generator=g),
+            torch.randn(tokens, HV, generator=g) * 4,  # reaches both softplus branches
+            torch.randn(tokens, HV, generator=g),
+            torch.randn(HV, generator=g),
+        ),
+        "kwargs": {},
+    }
+
+
+def _recurrent_case(batch: int, steps: int, verify: bool, tree: bool) -> dict:
+    g = _gen(11 + steps + tree)
+    tokens = batch * steps
+    kwargs = {
+        "A_log": torch.randn(HV, generator=g) * 0.5,
+        "a": torch.randn(tokens, HV, generator=g),
+        "dt_bias": torch.randn(HV, generator=g),
+        "softplus_beta": 1.0,
+        "softplus_threshold": 20.0,
+        "q": torch.randn(1, tokens, H, K, generator=g),
+        "k": torch.randn(1, tokens, H, K, generator=g),
+        "v": torch.randn(1, tokens, HV, V, generator=g),
+        "b": torch.randn(tokens, HV, generator=g),
+        "initial_state_source": torch.randn(SLOTS, HV, V, K, generator=g) * 0.3,
+        "initial_state_indices": torch.tensor([3, 1, 4][:batch], dtype=torch.int32),
+        "cu_seqlens": torch.arange(0, tokens + 1, steps, dtype=torch.int32),
+        "use_qk_l2norm_in_kernel": True,
+    }
+    if verify:
+        kwargs["disable_state_update"] = True
+        kwargs["intermediate_states_buffer"] = torch.zeros(SLOTS, steps, HV, V, K)
+        kwargs["intermediate_state_indices"] = torch.tensor([0, 2, 3][:batch], dtype=torch.int32)
+        kwargs["cache_steps"] = steps
+    if tree:
+        kwargs["retrieve_parent_token"] = torch.tensor([TREE_PARENTS] * batch, dtype=torch.int32)
+    return {"kernel": "recurrent", "args": (), "kwargs": kwargs}
+
+
+CASES = {
+    "conv_fn": _conv_fn_case(),
+    "conv_decode": _conv_update_case(1, tree=False),
+    "conv_chain": _conv_update_case(4, tree=False),
+    "conv_tree": _conv_update_case(5, tree=True),
+    "gating": _gating_case(),
+    "decode": _recurrent_case(3, 1, verify=False, tree=False),
+    "verify_chain": _recurrent_case(2, 4, verify=True, tree=False),
+    "verify_tree": _recurrent_case(2, 5, verify=True, tree=True),
+}
+
+
+@pytest.fixture(scope="module")
+def triton_run(tmp_path_factory) -> dict:
+    """Every case run once by SGLang's Triton kernels in the interpreter (one child process)."""
+    tmp = tmp_path_factory.mktemp("triton")
+    torch.save(CASES, tmp / "in.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    child = subprocess.run(
+        [sys.executable, "-c", TRITON_CHILD, str(tmp / "in.pt"), str(tmp / "out.pt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    return torch.load(tmp / "out.pt")
+
+
+def _run_standin(name: str) -> dict:
+    """The case through the stand-in op, on fresh copies of the inputs (outputs land in them)."""
+    case = CASES[name]
+    args = tuple(_clone(a) for a in case["args"])
+    kwargs = {key: _clone(value) for key, value in case["kwargs"].items()}
+    op = {
+        "conv_fn": ops.causal_conv1d_fn_cpu,
+        "conv_update": ops.causal_conv1d_update_cpu,
+        "gating": ops.fused_gdn_gating_cpu,
+        "recurrent": ops.fused_sigmoid_gating_delta_rule_update_cpu,
+    }[case["kernel"]]
+    return {"args": args, "kwargs": kwargs, "out": op(*args, **kwargs)}
+
+
+def _assert_same(ours, theirs, what: str) -> None:
+    if isinstance(theirs, (tuple, list)):
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            _assert_same(a, b, f"{what}[{i}]")
+        return
+    if isinstance(theirs, torch.Tensor):
+        assert ours.shape == theirs.shape, what
+        torch.testing.assert_close(ours.to(theirs.dtype), theirs, atol=2e-5, rtol=2e-5, msg=what)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_against_triton_interpreter(triton_run, name: str):
+    """Output and every in-place buffer (conv states, windows, parents, ssm states) equal Triton's."""
+    ours, theirs = _run_standin(name), triton_run[name]
+    _assert_same(ours["out"], theirs["out"], f"{name}: output")
+    _assert_same(ours["args"], theirs["args"], f"{name}: positional buffers")
+    for key, value in theirs["kwargs"].items():
+        _assert_same(ours["kwargs"][key], value, f"{name}: {key}")
+
+
+def test_tree_conv_parents_and_windows_follow_paths():
+    """Tree conv: written parents are the tree's, and a slot's output is a chain conv over its path."""
+    run = _run_standin("conv_tree")
+    kw = run["kwargs"]
+    assert kw["retrieve_parent_token"].tolist() == [TREE_PARENTS] * 2
+    x, state, weight, bias = (CASES["conv_tree"]["args"][i] for i in range(4))
+    for i, slot in enumerate(kw["conv_state_indices"].tolist()):
+        for node in range(x.shape[-1]):
+            path = [node]
+            while path[-1] != 0:
+                path.append(TREE_PARENTS[path[-1]])
+            chain = x[i : i + 1, :, path[::-1]]
+            expected = hf.causal_conv1d_update(chain, state[slot : slot + 1].clone(), weight, bias, "silu")
+            torch.testing.assert_close(run["out"][i, :, node], expected[0, :, -1], atol=1e-5, rtol=1e-5)
+
+
+def _hf_recurrent(kwargs: dict, tokens: slice, state: torch.Tensor):
+    """Transformers' recurrent rule on one sequence; q/k heads repeated as its Qwen3-Next layer does."""
+    g, beta = ops._gates(kwargs["A_log"], kwargs["a"][tokens], kwargs["b"][tokens], kwargs["dt_bias"])
+    q, k = (kwargs[n][:, tokens].repeat_interleave(HV // H, dim=2) for n in ("q", "k"))
+    out, final = hf.torch_recurrent_gated_delta_rule(
+        q,
+        k,
+        kwargs["v"][:, tokens],
+        g[None],
+        beta[None],
+        initial_state=state.transpose(-1, -2)[None],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out[0], final[0].transpose(-1, -2)  # back to SGLang's (HV, V, K)
+
+
+def test_decode_and_tree_verify_against_transformers():
+    """Decode output and written state, and each tree slot's verify output and cached state, equal
+    Transformers' recurrent rule run over that slot's root path."""
+    decode = _run_standin("decode")
+    kw = CASES["decode"]["kwargs"]
+    for i, slot in enumerate(kw["initial_state_indices"].tolist()):
+        out, final = _hf_recurrent(kw, slice(i, i + 1), kw["initial_state_source"][slot])
+        torch.testing.assert_close(decode["out"][0, i], out[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            decode["kwargs"]["initial_state_source"][slot], final, atol=1e-5, rtol=1e-5
+        )
+
+    tree = _run_standin("verify_tree")
+    kw = CASES["verify_tree"]["kwargs"]
+    torch.testing.assert_close(
+        tree["kwargs"]["initial_state_source"], kw["initial_state_source"]
+    )  # untouched
+    steps = len(TREE_PARENTS)
+    for i, (slot, row) in enumerate(
+        zip(kw["initial_state_indices"].tolist(), kw["intermediate_state_indices"].tolist())
+    ):
+        for node in range(steps):
+            path = [node]
+            while path[-1] != 0:
+                path.append(TREE_PARENTS[path[-1]])
+            tokens = torch.tensor([i * steps + p for p in path[::-1]])
+            sub = dict(
+                kw,
+                q=kw["q"][:, tokens],
+                k=kw["k"][:, tokens],
+                v=kw["v"][:, tokens],
+                a=kw["a"][tokens],
+                b=kw["b"][tokens],
+            )
+            out, final = _hf_recurrent(sub, slice(None), kw["initial_state_source"][slot])
+            torch.testing.assert_close(tree["out"][0, i * steps + node], out[-1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                tree["kwargs"]["intermediate_states_buffer"][row, node], final, atol=1e-5, rtol=1e-5
+            )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_prefill_against_transformers(dtype):
+    """chunk_gated_delta_rule_cpu over three varlen sequences (one longer than a 4-token chunk)
+    equals Transformers' chunked rule per sequence, outputs and the states written back."""
+    g = _gen(5)
+    lens, slots = [9, 1, 6], [2, 0, 4]
+    tokens = sum(lens)
+    q, k = (torch.randn(1, tokens, H, K, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(1, tokens, HV, V, generator=g).to(dtype)
+    gate, beta = ops.fused_gdn_gating_cpu(
+        torch.randn(HV, generator=g),
+        torch.randn(tokens, HV, generator=g),
+        torch.randn(tokens, HV, generator=g),
+        torch.randn(HV, generator=g),
+    )
+    pool = torch.randn(SLOTS, HV, V, K, generator=g) * 0.3
+    before = pool.clone()
+    cu = torch.tensor([0, 9, 10, 16], dtype=torch.int32)
+    out, finals, _ = ops.chunk_gated_delta_rule_cpu(
+        q=q,
+        k=k,
+        v=v,
+        g=gate,
+        beta=beta,
+        initial_state=pool,
+        cu_seqlens=cu,
+        head_first=False,
+        use_qk_l2norm_in_kernel=True,
+        initial_state_indices=torch.tensor(slots, dtype=torch.int32),
+    )
+    assert out.shape == v.shape and out.dtype == dtype
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for i, slot in enumerate(slots):
+        span = slice(int(cu[i]), int(cu[i + 1]))
+        expected, final = hf.torch_chunk_gated_delta_rule(
+            q[:, span].repeat_interleave(HV // H, dim=2),
+            k[:, span].repeat_interleave(HV // H, dim=2),
+            v[:, span],
+            gate[:, span],
+            beta[:, span].float(),
+            chunk_size=4,
+            initial_state=before[slot].transpose(-1, -2)[None],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        torch.testing.assert_close(out[:, span].float(), expected.float(), **tol)
+        torch.testing.assert_close(pool[slot], final[0].transpose(-1, -2), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(finals[i], final[0].transpose(-1, -2), atol=1e-4, rtol=1e-4)
+    untouched = [s for s in range(SLOTS) if s not in slots]
+    torch.testing.assert_close(pool[untouched], before[untouched])
+
+
+def test_exported_where_sglang_looks():
+    """The names SGLang binds on CPU (gdn_backend.py:184-188, gdn_triton.py:28-33) resolve to the
+    stand-in's ops, not to missing-op placeholders."""
+    import sgl_kernel
+    from sgl_kernel import _linear_attention
+    from sgl_kernel.mamba import causal_conv1d_fn_cpu, causal_conv1d_update_cpu, chunk_gated_delta_rule_cpu
+
+    assert sgl_kernel.__version__.endswith("frspec-cpu-standin")
+    assert causal_conv1d_fn_cpu is _linear_attention.causal_conv1d_fn_cpu
+    assert causal_conv1d_update_cpu is _linear_attention.causal_conv1d_update_cpu
+    assert chunk_gated_delta_rule_cpu is _linear_attention.chunk_gated_delta_rule_cpu
+    for name in ("fused_gdn_gating_cpu", "fused_sigmoid_gating_delta_rule_update_cpu"):
+        assert getattr(torch.ops.sgl_kernel, name) is getattr(_linear_attention, name)
