@@ -36,14 +36,19 @@ TRITON_CHILD = """
 import importlib.util, sys, torch
 root = importlib.util.find_spec("sglang").submodule_search_locations[0]  # no SGLang import: only triton
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, f"{root}/kernels/ops/speculative/{name}.py")
+    spec = importlib.util.spec_from_file_location(name, f"{root}/kernels/ops/{name}.py")
     mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
     return mod
-chain, argmax = load("reject_sampling"), load("row_argmax")
+chain, argmax = load("speculative/reject_sampling"), load("speculative/row_argmax")
+renorm = load("sampling/renorm_triton")
+renorm._prepare_probs = lambda probs: probs.float().contiguous()  # its CUDA-only device check
 data = torch.load(sys.argv[1])
 for case in data["chain"]:
     chain.chain_speculative_sampling_triton(*case["args"], block_verification=case["block"])
 data["argmax"] = argmax.row_argmax(data["argmax"])
+probs, top_k, top_p = data["renorm"]
+data["renorm"] = (renorm.top_k_renorm_probs_triton(probs, top_k),
+                  renorm.top_p_renorm_probs_triton(probs, top_p))
 torch.save(data, sys.argv[2])
 """
 
@@ -107,9 +112,23 @@ def _argmax_rows() -> torch.Tensor:
     return x
 
 
-def test_chain_sampling_and_row_argmax_match_triton_kernels(tmp_path: Path):
-    cases, rows = _chain_cases(), _argmax_rows()
-    torch.save({"chain": cases, "argmax": rows}, tmp_path / "in.pt")
+def _renorm_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Probability rows over more than one Triton block, some with ties at the k-th value or the
+    top-p pivot, and per-row top-k (1, inside, at and past the vocab) and top-p (tiny to 1)."""
+    g = torch.Generator().manual_seed(9)
+    probs = torch.softmax(3 * torch.randn(8, 1500, generator=g), -1)
+    probs[::2] = (probs[::2] * 4000).round() / 4000  # coarse values: many ties
+    probs /= probs.sum(-1, keepdim=True)
+    top_k = torch.tensor([1, 2, 5, 40, 1499, 1500, 3000, 7])
+    top_p = torch.tensor([1e-4, 0.1, 0.5, 0.9, 0.95, 0.99, 1.0, 0.7])
+    return probs, top_k, top_p
+
+
+def test_sampling_ops_match_triton_kernels(tmp_path: Path):
+    """The chain verify, row_argmax and the top-k / top-p renormalisations (SGLang's ROCm kernels,
+    FlashInfer's semantics) against SGLang's Triton kernels on the same inputs."""
+    cases, rows, renorm = _chain_cases(), _argmax_rows(), _renorm_rows()
+    torch.save({"chain": cases, "argmax": rows, "renorm": renorm}, tmp_path / "in.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run(
         [sys.executable, "-c", TRITON_CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
@@ -122,6 +141,13 @@ def test_chain_sampling_and_row_argmax_match_triton_kernels(tmp_path: Path):
     kernel = torch.load(tmp_path / "out.pt")
     assert torch.equal(ops.row_argmax(rows), kernel["argmax"]), (ops.row_argmax(rows), kernel["argmax"])
     assert ops.row_argmax(rows)[1:3].tolist() == [7, 2049]
+    probs, top_k, top_p = renorm
+    for name, mine, theirs in (
+        ("top_k", ops.top_k_renorm_prob(probs, top_k), kernel["renorm"][0]),
+        ("top_p", ops.top_p_renorm_prob(probs, top_p), kernel["renorm"][1]),
+    ):
+        assert torch.equal(mine > 0, theirs > 0), name  # the same tokens kept, ties included
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=0, msg=name)
     accepted = set()
     for case, ran in zip(cases, kernel["chain"]):
         ops.chain_speculative_sampling_triton(*case["args"], block_verification=case["block"])

@@ -114,13 +114,19 @@ def test_tp2_plugin_without_map_is_unchanged(perm, start_server):
 TOPK1 = ("--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
 
 
+RENORMS = {"top_k_renorm_prob", "top_p_renorm_prob"}
+
+
 def sampled_ops(server, chain, shim_log) -> set[str]:
-    """Temperature 1.0 requests from several points of a chain: each completes; returns the
-    CPU site's sampling-verify ops that ran (its ``SGL_SHIM_LOG``)."""
+    """Temperature 1.0 requests from several points of a chain, then one with top-p and top-k:
+    each completes; returns the CPU site's sampling ops that ran (its ``SGL_SHIM_LOG``)."""
     outs = server.generate(
         [list(chain[s : s + 3]) for s in (0, 17, 33)], NEW, temperature=1.0, ignore_eos=True
     )
-    assert [len(o["output_ids"]) for o in outs] == [NEW] * 3
+    outs.append(
+        server.generate(list(chain[50:53]), NEW, temperature=1.0, top_p=0.8, top_k=4, ignore_eos=True)
+    )
+    assert [len(o["output_ids"]) for o in outs] == [NEW] * 4
     return {
         line.split(".", 1)[1]
         for line in shim_log.read_text().splitlines()
@@ -136,7 +142,10 @@ def test_tp2_topk1_with_a_map(perm, start_server, tmp_path):
     server = start_server(perm, 2, perm.token_map("hot"), env=env, extra=TOPK1)
     assert generate_chains(server, perm.chain) == [3.0, 3.0, 3.0]  # 2 steps, every draft accepted
     assert_plugin_active(server, num_hot(perm.token_map("hot")), 2, "balanced", "topk")
-    assert sampled_ops(server, perm.chain, tmp_path / "shim.log") == {"tree_speculative_sampling_target_only"}
+    assert (
+        sampled_ops(server, perm.chain, tmp_path / "shim.log")
+        == {"tree_speculative_sampling_target_only"} | RENORMS
+    )
 
 
 def test_tp2_rejection_sampling_with_a_map(perm, start_server, tmp_path):
@@ -146,10 +155,14 @@ def test_tp2_rejection_sampling_with_a_map(perm, start_server, tmp_path):
     env = {"SGLANG_FRSPEC_EXCHANGE": "topk", "SGL_SHIM_LOG": str(tmp_path / "shim.log")}
     extra = ("--speculative-use-rejection-sampling", *TOPK1)
     server = start_server(perm, 2, perm.token_map("hot"), env=env, extra=extra)
-    assert sampled_ops(server, perm.chain, tmp_path / "shim.log") == {
-        "chain_speculative_sampling_triton",
-        "row_argmax",
-    }
+    assert (
+        sampled_ops(server, perm.chain, tmp_path / "shim.log")
+        == {
+            "chain_speculative_sampling_triton",
+            "row_argmax",
+        }
+        | RENORMS
+    )
     # Greedy: plain greedy's chain (accept lengths may fall below 3.0: under rejection sampling
     # stock's draft extend after prefill samples its first proposal at T=1 for greedy rows too).
     generate_chains(server, perm.chain)

@@ -47,7 +47,8 @@ def register() -> None:
         ("sglang.kernels.ops.speculative.row_argmax.", "row_argmax"),
     ):
         HookRegistry.register(target + op, _logged(op), HookType.REPLACE)
-    # The CUDA op is None on CPU: set, not a REPLACE hook, which would rebind every module
-    # global that is the original object (every None in the process) to the replacement.
-    op = "tree_speculative_sampling_target_only"
-    setattr(importlib.import_module(VERIFY.rstrip(".")), op, _logged(op))
+    # Ops that are None on CPU: set, not a REPLACE hook, which would rebind every module global
+    # that is the original object (every None in the process) to the replacement.
+    eagle_utils = importlib.import_module(VERIFY.rstrip("."))
+    for op in ("tree_speculative_sampling_target_only", "top_k_renorm_prob", "top_p_renorm_prob"):
+        setattr(eagle_utils, op, _logged(op))

@@ -1,9 +1,12 @@
-"""Pure-torch versions of SGLang 0.5.23's two EAGLE sampling-verify kernels (the sampling family).
+"""Pure-torch versions of SGLang 0.5.23's EAGLE sampling ops (the sampling family).
 
 - ``tree_speculative_sampling_target_only``: the CUDA kernel of
   ``kernels/jit/include/sgl_kernel/speculative/sampling.cuh`` (target-only tree verify).
 - ``chain_speculative_sampling_triton``: the Triton kernel of ``kernels/ops/speculative/
   reject_sampling.py`` (rejection sampling, with ``--speculative-use-rejection-sampling``).
+- ``row_argmax`` (Triton: the draft proposal's pick under rejection sampling) and the verify's
+  top-k / top-p renormalisation of the target (``top_k_renorm_prob``, ``top_p_renorm_prob``),
+  which SGLang leaves None on CPU.
 
 Same arguments, same in-place outputs, same use of the uniform ``coins``; scalars are kept in
 float32 as the kernels keep them, so a coin compares against the same float. Python loops: slow,
@@ -167,3 +170,35 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """``kernels/ops/speculative/row_argmax.py`` (Triton): the draft proposal's Gumbel-max pick,
     ``x.argmax(-1)`` of float32 rows, ties to the lowest index."""
     return x.argmax(dim=-1)
+
+
+def _renorm_from_pivots(probs: torch.Tensor, pivots: torch.Tensor) -> torch.Tensor:
+    """Keep each row's probabilities >= its pivot (ties at the pivot kept), renormalised."""
+    kept = torch.where(probs >= pivots.unsqueeze(1), probs, torch.zeros_like(probs))
+    return kept / kept.sum(dim=1, keepdim=True)
+
+
+def _per_row(value, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """A scalar or one value per row, as one value per row."""
+    return torch.as_tensor(value, dtype=dtype).reshape(-1).expand(rows)
+
+
+def top_k_renorm_prob(probs: torch.Tensor, top_k) -> torch.Tensor:
+    """FlashInfer's ``top_k_renorm_probs`` (SGLang's ``renorm_triton.top_k_renorm_probs_triton`` on
+    ROCm): the k highest probabilities of each row and every tie at the k-th, renormalised."""
+    probs = probs.float()
+    rows, vocab = probs.shape
+    cutoff = (_per_row(top_k, rows, torch.int64) - 1).clamp(min=0, max=vocab - 1)
+    pivots = torch.sort(probs, dim=-1, descending=True).values.gather(1, cutoff.unsqueeze(1)).squeeze(1)
+    return _renorm_from_pivots(probs, pivots)
+
+
+def top_p_renorm_prob(probs: torch.Tensor, top_p) -> torch.Tensor:
+    """FlashInfer's ``top_p_renorm_probs`` (as ``renorm_triton.top_p_renorm_probs_triton``): drop the
+    ascending prefix whose cumulative mass is below 1 - p, keep every tie at the pivot, renormalise."""
+    probs = probs.float()
+    rows, vocab = probs.shape
+    ascending = torch.sort(probs, dim=-1).values
+    threshold = (1.0 - _per_row(top_p, rows, torch.float32)).unsqueeze(1)
+    cutoff = torch.searchsorted(torch.cumsum(ascending, dim=-1), threshold).squeeze(1).clamp(max=vocab - 1)
+    return _renorm_from_pivots(probs, ascending.gather(1, cutoff.unsqueeze(1)).squeeze(1))
