@@ -59,3 +59,30 @@ def test_draft_distribution_over_the_vocab_matches_the_single_rank_reference(tp)
         torch.testing.assert_close(q, expected, rtol=1e-5, atol=1e-7, msg=str(key))
         assert torch.count_nonzero(q[:, [t for t in range(VOCAB) if t not in columns]]) == 0, key
         assert all(torch.equal(r[key][1], q) for r in results[1:]), key  # the same on every rank
+
+
+def test_rejection_sampling_with_a_hot_draft_commits_the_target_distribution():
+    """SGLang's chain rejection sampling (the CPU site's torch op, checked against the Triton
+    kernel in test_cpu_site_sampling.py) with drafts drawn from a hot-only q laid over the vocab
+    by ``lay_hot_probs_over_vocab``: the committed token follows p, including the 30% of p's mass
+    outside the map. Seeded; a chi-square over 12 tokens at 40 (p-value about 4e-5 under p)."""
+    from tests.test_cpu_site_sampling import ops
+
+    g = torch.Generator().manual_seed(36)
+    n, vocab = 20000, 12
+    hot_ids = torch.tensor([9, 2, 5, 0, 7, 3])  # unordered: column j is token hot_ids[j]
+    p = torch.tensor([0.02, 0.05, 0.2, 0.1, 0.05, 0.1, 0.03, 0.12, 0.08, 0.05, 0.1, 0.1])
+    hot_q = torch.softmax(torch.randn(6, generator=g), -1)  # the draft: far from p on the map
+    drafts = hot_ids[torch.multinomial(hot_q, n, replacement=True, generator=g)]
+    q = lay_hot_probs_over_vocab(hot_q.expand(n, 1, 6), hot_ids, vocab)
+    predicts = torch.full((2 * n,), -1, dtype=torch.int32)
+    candidates = torch.stack([torch.zeros(n, dtype=torch.int64), drafts], 1)
+    retrive = torch.arange(2 * n).view(n, 2)
+    ops.chain_speculative_sampling_triton(
+        predicts, torch.full((n, 2), -1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32), candidates,
+        retrive, retrive, retrive, torch.rand(n, 2, generator=g), torch.rand(n, generator=g),
+        p.expand(n, 2, vocab).contiguous(), q, 1.0, 1.0, True,
+    )  # fmt: skip
+    committed = torch.bincount(predicts[0::2].long(), minlength=vocab).float()  # the root's next token
+    chi2 = float(((committed - n * p) ** 2 / (n * p)).sum())
+    assert chi2 < 40, (chi2, committed / n, p)
