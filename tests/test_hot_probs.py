@@ -86,3 +86,26 @@ def test_rejection_sampling_with_a_hot_draft_commits_the_target_distribution():
     committed = torch.bincount(predicts[0::2].long(), minlength=vocab).float()  # the root's next token
     chi2 = float(((committed - n * p) ** 2 / (n * p)).sum())
     assert chi2 < 40, (chi2, committed / n, p)
+
+
+def test_target_only_sampling_of_hot_drafts_commits_the_target_distribution():
+    """SGLang's default sampling verify (the CPU site's torch version of the CUDA tree kernel)
+    with two sibling drafts from the map: the committed token follows p, whatever the drafts.
+    Seeded; a chi-square over 12 tokens at 40."""
+    from tests.test_cpu_site_sampling import ops
+
+    g = torch.Generator().manual_seed(7)
+    n, vocab = 20000, 12
+    p = torch.tensor([0.02, 0.05, 0.2, 0.1, 0.05, 0.1, 0.03, 0.12, 0.08, 0.05, 0.1, 0.1])
+    candidates = torch.tensor([0, 9, 2]).expand(n, 3).contiguous()  # root, then two hot siblings
+    next_token = torch.tensor([1, -1, -1]).expand(n, 3).contiguous()
+    next_sibling = torch.tensor([-1, 2, -1]).expand(n, 3).contiguous()
+    predicts = torch.full((3 * n,), -1, dtype=torch.int32)
+    ops.tree_speculative_sampling_target_only(
+        predicts, torch.full((n, 2), -1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32), candidates,
+        torch.arange(3 * n).view(n, 3), next_token, next_sibling, torch.rand(n, 3, generator=g),
+        torch.rand(n, generator=g), p.expand(n, 3, vocab).contiguous(), torch.zeros(n, 3, vocab),
+    )  # fmt: skip
+    committed = torch.bincount(predicts[0::3].long(), minlength=vocab).float()  # the root's next token
+    chi2 = float(((committed - n * p) ** 2 / (n * p)).sum())
+    assert chi2 < 40, (chi2, committed / n, p)
