@@ -35,6 +35,7 @@ def _logged(op: str) -> Callable:
 
 
 def register() -> None:
+    import torch
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.runtime_context import override_platform
 
@@ -52,3 +53,7 @@ def register() -> None:
     eagle_utils = importlib.import_module(VERIFY.rstrip("."))
     for op in ("tree_speculative_sampling_target_only", "top_k_renorm_prob", "top_p_renorm_prob"):
         setattr(eagle_utils, op, _logged(op))
+    if not torch.cuda.is_available():
+        # DeepSeek's set_embed_and_head (sglang/srt/models/deepseek_v2.py:3448, run when a NextN
+        # draft takes the target's head) synchronizes CUDA unconditionally: nothing to wait for here.
+        torch.cuda.synchronize = lambda device=None: None
