@@ -63,10 +63,10 @@ def test_draft_distribution_over_the_vocab_matches_the_single_rank_reference(tp)
 
 def test_rejection_sampling_with_a_hot_draft_commits_the_target_distribution():
     """SGLang's chain rejection sampling (the CPU site's torch op, checked against the Triton
-    kernel in test_cpu_site_sampling.py) with drafts drawn from a hot-only q laid over the vocab
+    kernel in test_cpu_standin_sampling.py) with drafts drawn from a hot-only q laid over the vocab
     by ``lay_hot_probs_over_vocab``: the committed token follows p, including the 30% of p's mass
     outside the map. Seeded; a chi-square over 12 tokens at 40 (p-value about 4e-5 under p)."""
-    from tests.test_cpu_site_sampling import ops
+    from tests.test_cpu_standin_sampling import ops
 
     g = torch.Generator().manual_seed(36)
     n, vocab = 20000, 12
@@ -92,7 +92,7 @@ def test_target_only_sampling_of_hot_drafts_commits_the_target_distribution():
     """SGLang's default sampling verify (the CPU site's torch version of the CUDA tree kernel)
     with two sibling drafts from the map: the committed token follows p, whatever the drafts.
     Seeded; a chi-square over 12 tokens at 40."""
-    from tests.test_cpu_site_sampling import ops
+    from tests.test_cpu_standin_sampling import ops
 
     g = torch.Generator().manual_seed(7)
     n, vocab = 20000, 12
