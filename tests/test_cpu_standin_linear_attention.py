@@ -12,14 +12,12 @@ the numeric tests; ``test_exported_where_sglang_looks`` imports the package as S
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from sglang_frspec.demo.cpu import CPU_SITE
+from tests.harness.triton_child import run_interpreted
 
 pytest.importorskip("triton")
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
@@ -163,18 +161,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def triton_run(tmp_path_factory) -> dict:
     """Every case run once by SGLang's Triton kernels in the interpreter (one child process)."""
-    tmp = tmp_path_factory.mktemp("triton")
-    torch.save(CASES, tmp / "in.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    child = subprocess.run(
-        [sys.executable, "-c", TRITON_CHILD, str(tmp / "in.pt"), str(tmp / "out.pt")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert child.returncode == 0, child.stderr[-3000:]
-    return torch.load(tmp / "out.pt")
+    return run_interpreted(TRITON_CHILD, CASES, tmp_path_factory.mktemp("triton"), timeout=300)
 
 
 def _run_standin(name: str) -> dict:

@@ -14,9 +14,6 @@ its import hook into this process.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +21,7 @@ import pytest
 import torch
 
 from sglang_frspec.demo.cpu import CPU_SITE
+from tests.harness.triton_child import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -128,17 +126,8 @@ def test_sampling_ops_match_triton_kernels(tmp_path: Path):
     """The chain verify, row_argmax and the top-k / top-p renormalisations (SGLang's ROCm kernels,
     FlashInfer's semantics) against SGLang's Triton kernels on the same inputs."""
     cases, rows, renorm = _chain_cases(), _argmax_rows(), _renorm_rows()
-    torch.save({"chain": cases, "argmax": rows, "renorm": renorm}, tmp_path / "in.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run(
-        [sys.executable, "-c", TRITON_CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    kernel = torch.load(tmp_path / "out.pt")
+    inputs = {"chain": cases, "argmax": rows, "renorm": renorm}
+    kernel = run_interpreted(TRITON_CHILD, inputs, tmp_path, timeout=600)
     assert torch.equal(ops.row_argmax(rows), kernel["argmax"]), (ops.row_argmax(rows), kernel["argmax"])
     assert ops.row_argmax(rows)[1:3].tolist() == [7, 2049]
     probs, top_k, top_p = renorm
