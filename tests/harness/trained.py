@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from sglang_frspec.demo.fixtures import (
     ModelFixture,
@@ -38,12 +37,22 @@ from sglang_frspec.demo.fixtures import (
     save_model,
     source_digest,
 )
+from tests.harness.eagle_draft import (
+    LayerShape,
+    draft_loss,
+    first_step_agreement,
+    head_loss,
+    init_draft,
+    init_layer,
+    layer,
+    rms_norm,
+    train,
+)
 
 VOCAB = 32000
 HIDDEN, LAYERS, HEADS, INTER = 128, 2, 4, 384
 SEQ, BATCH = 128, 8
 TARGET_STEPS, DRAFT_STEPS = 400, 200
-LOSS_CHUNK = 256  # rows per head matmul in the losses: [256, V] logits stay off glibc's mmap path
 EVAL_TOKENS = 32768  # held-out tokens the losses are measured on
 # The greedy outputs of a model this small keep to a few hundred frequent ids (15-33 distinct ids in
 # 384 tokens of held-out prompts), so acceptance changes below ~256 ids: the sizes span that range.
@@ -52,7 +61,7 @@ PROSE_MAP_SIZE = 128
 HELD_OUT_EVERY = 8  # code file i is held out when i % 8 == 7
 PROMPT_TOKENS = 32  # prompts are this many tokens of held-out text
 
-BUILDER_DIGEST = source_digest(__name__, "sglang_frspec.demo.fixtures")
+BUILDER_DIGEST = source_digest(__name__, "tests.harness.eagle_draft", "sglang_frspec.demo.fixtures")
 
 
 @dataclass(frozen=True)
@@ -124,89 +133,15 @@ def _token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids)
 
 
-# A Llama in plain torch with SGLang's/HF's conventions (RMSNorm, neox rotary, GQA, SwiGLU). The
-# parameters are stored under the checkpoint's own names, so saving is a state_dict.
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding of ``x [batch, heads, seq, head_dim]`` at positions 0..seq-1 (rotate_half)."""
-    dim, seq = x.shape[-1], x.shape[-2]
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
-def _init_layer(params: dict, prefix: str, gen: torch.Generator, input_ln: bool) -> None:
-    head_dim, kv = HIDDEN // HEADS, max(1, HEADS // 2)
-
-    def linear(out: int, inp: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(out, inp, generator=gen) * (scale / math.sqrt(inp))
-
-    params[f"{prefix}self_attn.q_proj.weight"] = linear(HEADS * head_dim, HIDDEN)
-    params[f"{prefix}self_attn.k_proj.weight"] = linear(kv * head_dim, HIDDEN)
-    params[f"{prefix}self_attn.v_proj.weight"] = linear(kv * head_dim, HIDDEN)
-    params[f"{prefix}self_attn.o_proj.weight"] = linear(HIDDEN, HEADS * head_dim, 0.5)
-    params[f"{prefix}mlp.gate_proj.weight"] = linear(INTER, HIDDEN)
-    params[f"{prefix}mlp.up_proj.weight"] = linear(INTER, HIDDEN)
-    params[f"{prefix}mlp.down_proj.weight"] = linear(HIDDEN, INTER, 0.5)
-    params[f"{prefix}post_attention_layernorm.weight"] = torch.ones(HIDDEN)
-    if input_ln:
-        params[f"{prefix}input_layernorm.weight"] = torch.ones(HIDDEN)
-
-
-def _layer(p: dict, prefix: str, x: torch.Tensor) -> torch.Tensor:
-    """One decoder layer on ``x [batch, seq, hidden]`` with causal attention (the EAGLE draft's
-    first layer has no input norm: it reads the residual as it is)."""
-    batch, seq, _ = x.shape
-    head_dim, kv = HIDDEN // HEADS, max(1, HEADS // 2)
-    norm_w = p.get(f"{prefix}input_layernorm.weight")
-    h = _rms_norm(x, norm_w) if norm_w is not None else x
-    q = (h @ p[f"{prefix}self_attn.q_proj.weight"].T).view(batch, seq, HEADS, head_dim).transpose(1, 2)
-    k = (h @ p[f"{prefix}self_attn.k_proj.weight"].T).view(batch, seq, kv, head_dim).transpose(1, 2)
-    v = (h @ p[f"{prefix}self_attn.v_proj.weight"].T).view(batch, seq, kv, head_dim).transpose(1, 2)
-    q, k = _rotary(q), _rotary(k)
-    k, v = k.repeat_interleave(HEADS // kv, 1), v.repeat_interleave(HEADS // kv, 1)
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, seq, -1)
-    x = x + attn @ p[f"{prefix}self_attn.o_proj.weight"].T
-    h = _rms_norm(x, p[f"{prefix}post_attention_layernorm.weight"])
-    gate, up = h @ p[f"{prefix}mlp.gate_proj.weight"].T, h @ p[f"{prefix}mlp.up_proj.weight"].T
-    return x + (F.silu(gate) * up) @ p[f"{prefix}mlp.down_proj.weight"].T
-
-
-def _head_loss(
-    hidden: torch.Tensor, head: torch.Tensor, *, labels: torch.Tensor | None = None, teacher=None
-) -> torch.Tensor:
-    """Mean cross-entropy of ``head @ hidden`` against ``labels`` (ids) or against the softmax of
-    ``head @ teacher`` (the target's distribution), in LOSS_CHUNK-row pieces."""
-    rows = hidden.flatten(0, -2)
-    total = torch.zeros(())
-    for i in range(0, rows.shape[0], LOSS_CHUNK):
-        log_q = (rows[i : i + LOSS_CHUNK] @ head.T).log_softmax(-1)
-        if labels is not None:
-            total = total - log_q.gather(1, labels.flatten()[i : i + LOSS_CHUNK, None]).sum()
-        else:
-            with torch.no_grad():
-                p = (teacher.flatten(0, -2)[i : i + LOSS_CHUNK] @ head.T).softmax(-1)
-            total = total - (p * log_q).sum()
-    return total / rows.shape[0]
+SHAPE = LayerShape(HIDDEN, HEADS, max(1, HEADS // 2), HIDDEN // HEADS, INTER)  # target and draft layers
 
 
 def _target_hidden(p: dict, ids: torch.Tensor) -> torch.Tensor:
     """The target's final (normed) hidden states: what SGLang hands the EAGLE draft."""
     x = p["model.embed_tokens.weight"][ids]
     for i in range(LAYERS):
-        x = _layer(p, f"model.layers.{i}.", x)
-    return _rms_norm(x, p["model.norm.weight"])
-
-
-def _draft_hidden(p: dict, embed: torch.Tensor, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """The EAGLE draft's output: fc([embed(ids) | features]), one layer, no final norm."""
-    x = torch.cat([embed[ids], features], -1) @ p["fc.weight"].T + p["fc.bias"]
-    return _layer(p, "layers.0.", x)
+        x = layer(p, f"model.layers.{i}.", x, SHAPE)
+    return rms_norm(x, p["model.norm.weight"])
 
 
 def _batches(stream: torch.Tensor, steps: int, seed: int):
@@ -214,16 +149,6 @@ def _batches(stream: torch.Tensor, steps: int, seed: int):
     for _ in range(steps):
         starts = torch.randint(0, stream.numel() - SEQ - 1, (BATCH,), generator=gen)
         yield torch.stack([stream[s : s + SEQ + 1] for s in starts.tolist()])
-
-
-def _adam(params: dict, steps: int, lr: float):
-    trainable = [t.requires_grad_() for t in params.values()]
-    opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
-    return opt, sched
 
 
 def _held_out_loss(p: dict, stream: torch.Tensor) -> float:
@@ -237,7 +162,7 @@ def _held_out_loss(p: dict, stream: torch.Tensor) -> float:
         for i in range(0, inputs.shape[0], BATCH):
             hidden = _target_hidden(p, inputs[i : i + BATCH])
             chunk = labels[i : i + BATCH]
-            total += float(_head_loss(hidden, p["lm_head.weight"], labels=chunk)) * chunk.numel()
+            total += float(head_loss(hidden, p["lm_head.weight"], labels=chunk)) * chunk.numel()
     return total / labels.numel()
 
 
@@ -249,49 +174,22 @@ def _unigram_loss(train: torch.Tensor, held_out: torch.Tensor) -> float:
 
 
 def _train_target(params: dict, stream: torch.Tensor, log) -> None:
-    opt, sched = _adam(params, TARGET_STEPS, lr=3e-3)
-    for step, batch in enumerate(_batches(stream, TARGET_STEPS, seed=1)):
-        loss = _head_loss(
-            _target_hidden(params, batch[:, :-1]), params["lm_head.weight"], labels=batch[:, 1:]
-        )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        if step % 50 == 0 or step == TARGET_STEPS - 1:
-            log(f"target step {step}: loss {loss.item():.3f}")
+    def loss_of(p: dict, batch: torch.Tensor) -> torch.Tensor:
+        return head_loss(_target_hidden(p, batch[:, :-1]), p["lm_head.weight"], labels=batch[:, 1:])
 
-
-def _draft_loss(draft: dict, target: dict, batch: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """EAGLE-1's loss over two draft steps: position t reads (token t+1, feature t) and must give
-    the target's feature t+1 and next-token distribution; step 2 reads its own step-1 output."""
-    embed, head = target["model.embed_tokens.weight"], target["lm_head.weight"]
-    with torch.no_grad():
-        features = _target_hidden(target, batch)  # [B, SEQ+1, H]
-    noisy = features[:, :-2] + (torch.rand(features[:, :-2].shape, generator=gen) - 0.5) * 0.2
-    loss = torch.zeros(())
-    inputs = noisy
-    for step in range(2):
-        end = SEQ - 1 - step
-        out = _draft_hidden(draft, embed, batch[:, 1 + step : 1 + step + end], inputs[:, :end])
-        goal = features[:, 1 + step : 1 + step + end]
-        cls = _head_loss(out, head, teacher=goal)
-        loss = loss + F.smooth_l1_loss(out, goal) + 0.5 * cls
-        inputs = out  # the second step drafts from the draft's own feature, as at serving time
-    return loss
+    train(params, _batches(stream, TARGET_STEPS, seed=1), loss_of, TARGET_STEPS, 3e-3, log, label="target")
 
 
 def _train_draft(draft: dict, target: dict, stream: torch.Tensor, log) -> None:
-    opt, sched = _adam(draft, DRAFT_STEPS, lr=2e-3)
+    embed, head = target["model.embed_tokens.weight"], target["lm_head.weight"]
     gen = torch.Generator().manual_seed(3)
-    for step, batch in enumerate(_batches(stream, DRAFT_STEPS, seed=2)):
-        loss = _draft_loss(draft, target, batch, gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        if step % 50 == 0 or step == DRAFT_STEPS - 1:
-            log(f"draft step {step}: loss {loss.item():.3f}")
+
+    def loss_of(p: dict, batch: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            features = _target_hidden(target, batch)  # [B, SEQ+1, H]
+        return draft_loss(p, embed, head, batch, features, gen, SHAPE)
+
+    train(draft, _batches(stream, DRAFT_STEPS, seed=2), loss_of, DRAFT_STEPS, 2e-3, log)
 
 
 def _draft_agreement(draft: dict, target: dict, stream: torch.Tensor) -> float:
@@ -300,8 +198,7 @@ def _draft_agreement(draft: dict, target: dict, stream: torch.Tensor) -> float:
     ids = stream[: (stream.numel() - 1) // (SEQ + 1) * (SEQ + 1)].view(-1, SEQ + 1)[:8]
     with torch.no_grad():
         features = _target_hidden(target, ids)
-        out = _draft_hidden(draft, embed, ids[:, 1:], features[:, :-1])
-        return float(((out @ head.T).argmax(-1) == (features[:, 1:] @ head.T).argmax(-1)).float().mean())
+    return float(first_step_agreement(draft, embed, head, ids, features, SHAPE).float().mean())
 
 
 def _check_against_transformers(path: Path, params: dict, ids: torch.Tensor) -> None:
@@ -348,7 +245,7 @@ def _build(root: Path, texts: tuple[list[str], ...]) -> None:
         "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=gen) / math.sqrt(HIDDEN),
     }
     for i in range(LAYERS):
-        _init_layer(target, f"model.layers.{i}.", gen, input_ln=True)
+        init_layer(target, f"model.layers.{i}.", gen, input_ln=True, shape=SHAPE)
     _train_target(target, train_stream, log)
     target = {k: v.detach() for k, v in target.items()}
     held_loss, unigram = _held_out_loss(target, held_stream), _unigram_loss(train_stream, held_stream)
@@ -363,9 +260,7 @@ def _build(root: Path, texts: tuple[list[str], ...]) -> None:
     tokenizer.save_pretrained(str(target_dir))
     _check_against_transformers(target_dir, target, held_stream[:64])
 
-    draft = {"fc.weight": torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) / math.sqrt(2 * HIDDEN)}
-    draft["fc.bias"] = torch.zeros(HIDDEN)
-    _init_layer(draft, "layers.0.", gen, input_ln=False)
+    draft = init_draft(HIDDEN, SHAPE, gen)
     _train_draft(draft, target, train_stream, log)
     agreement = _draft_agreement(draft, target, held_stream)
     report["draft_top1_agreement"] = agreement
