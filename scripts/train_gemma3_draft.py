@@ -322,7 +322,49 @@ def save_draft(out: Path, draft: dict, cfg: dict, shape: LayerShape) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    raise NotImplementedError
+    """Served accept lengths of the shipped draft on ``gemma3_fixture``'s held-out prompts: TP=2
+    with the plugin (chain and small tree) and stock SGLang at TP=1, all with the 32768-id map."""
+    from types import SimpleNamespace
+
+    from tests.conftest import fixture_server
+    from tests.harness.gemma3 import NEW_TOKENS, SERVER_ARGS
+
+    fixture = gemma3_fixture()
+    args.work.mkdir(parents=True, exist_ok=True)
+    train_code, _, prose, _ = stdlib_texts()
+    token_map = args.work / "map_hot_32768.pt"
+    torch.save(hot_map(fixture.target, train_code + prose, args.work), token_map)
+    served = SimpleNamespace(target=fixture.target, draft=str(args.out))
+    runs = {
+        "tp2_plugin_chain": (2, True, CHAIN),
+        "tp2_plugin_tree": (2, True, TREE),
+        "tp1_stock_chain": (1, False, CHAIN),
+    }
+    results = {}
+    for name, (tp, plugin, (steps, topk, tokens)) in runs.items():
+        spec = ("--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk))
+        spec += ("--speculative-num-draft-tokens", str(tokens))
+        server = fixture_server(
+            served, tp, args.work / f"{name}.log", str(token_map), plugin=plugin, extra=SERVER_ARGS + spec
+        )
+        started = time.monotonic()
+        with server:
+            outs = server.generate(fixture.prompts, NEW_TOKENS)
+        metas = [o["meta_info"] for o in outs]
+        results[name] = {
+            "tp": tp,
+            "plugin": plugin,
+            "steps_topk_draft_tokens": [steps, topk, tokens],
+            "spec_accept_length": [round(m["spec_accept_length"], 4) for m in metas],
+            "mean_spec_accept_length": round(sum(m["spec_accept_length"] for m in metas) / len(metas), 4),
+            "greedy_equals_hf": [o["output_ids"] == r for o, r in zip(outs, fixture.reference)],
+            "seconds": round(time.monotonic() - started, 1),
+        }
+        print(name, results[name], file=sys.stderr, flush=True)
+    report_path = args.out / "training.json"
+    report = json.loads(report_path.read_text())
+    report["served"] = {"prompts": len(fixture.prompts), "new_tokens": NEW_TOKENS, "map": HOT} | results
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
