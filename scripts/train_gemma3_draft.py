@@ -326,6 +326,7 @@ def serve(args: argparse.Namespace) -> None:
     with the plugin (chain and small tree) and stock SGLang at TP=1, all with the 32768-id map."""
     from types import SimpleNamespace
 
+    from sglang_frspec.demo.server import new_python
     from tests.conftest import fixture_server
     from tests.harness.gemma3 import NEW_TOKENS, SERVER_ARGS
 
@@ -345,7 +346,13 @@ def serve(args: argparse.Namespace) -> None:
         spec = ("--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk))
         spec += ("--speculative-num-draft-tokens", str(tokens))
         server = fixture_server(
-            served, tp, args.work / f"{name}.log", str(token_map), plugin=plugin, extra=SERVER_ARGS + spec
+            served,
+            tp,
+            args.work / f"{name}.log",
+            str(token_map),
+            plugin=plugin,
+            extra=SERVER_ARGS + spec,
+            launch=new_python,  # a new Python per server: a forked launch hung here at TP=2 weight loading
         )
         started = time.monotonic()
         with server:
