@@ -115,6 +115,21 @@ def test_counts_and_map_are_the_targets_outputs(perm, plain_server, tmp_path, ca
     assert status == 0, err
     assert read_token_map(smaller).tolist() == reference_ranking(expected, 8, {EOS})
 
+    # A tokenizer may add tokens past the model's vocab (Gemma 3's adds <image_soft_token> at 262144
+    # to its 262144-id text models): it still gives the EOS ids. The finished count only re-ranks.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(perm.target)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    assert len(tokenizer) == perm.vocab_size + 1
+    argv = build_map("--from-server", server.url, "--prompts", str(prompts), "--text-field", "prompt")
+    argv += ["--tokenizer", str(tmp_path / "tokenizer"), "--save-counts", counts_file, "--size", "8"]
+    status, _, err = run_cli(capsys, [*argv, "-o", str(smaller)])
+    assert status == 0, err
+    assert f"resuming: {len(STARTS)} of {len(STARTS)} prompts already counted" in err
+    assert read_token_map(smaller).tolist() == reference_ranking(expected, 8, {EOS})
+
     # Prompt ids too, from a text file (one prompt per line; the blank line is no prompt).
     text = tmp_path / "prompts.txt"
     lines = [chain_prompt(perm, s) for s in STARTS]

@@ -340,6 +340,26 @@ def test_from_counts_rebuilds_without_tokenizing(bpe, tmp_path):
         rebuild_token_map(dataclasses.replace(counts, tokenizer=None), 50, include=["x"])
 
 
+@pytest.mark.parametrize("past", [-2, 64], ids=["tokens-added-past-the-vocab", "padded-vocab"])
+def test_counts_of_a_models_outputs_rebuild_with_its_tokenizer(bpe, past):
+    """Counts of a model's outputs span its vocab: a tokenizer may add tokens past it (Gemma 3's adds
+    <image_soft_token> at 262144 to 262144-id text models; here <|pad|>, <|eot|> past a 601-id
+    model) or a vocab may be padded past the tokenizer (Qwen2.5). Either rebuilds with strings."""
+    vocab = bpe.id_space + past
+    word = bpe.raw.id_to_token(300)
+    served = {"verify_rows": 10, "accept_length": 2.0, "num_steps": 2, "topk": 1, "hot_ids": 64}
+    for source in ({"server": {"url": "http://127.0.0.1:30000"}}, {"speculative": served}):
+        counts = TokenCounts(torch.arange(vocab) % 7, 1, bpe.tokenizer, (bpe.eos,), ("p",), "text", **source)
+        ids = rebuild_token_map(counts, 16, include=[word])
+        assert ids.tolist() == reference_ranking(counts.counts.tolist(), 16, {bpe.eos, 300})
+        if past < 0:
+            with pytest.raises(MapBuildError, match=f"forced token ids \\[{bpe.eot}\\]: outside"):
+                rebuild_token_map(counts, 16, include=[SPECIALS[2]])
+    # Corpus counts are made with the tokenizer itself: another id space is another tokenizer.
+    with pytest.raises(MapBuildError, match=f"has {bpe.id_space} ids, but the counts were made"):
+        rebuild_token_map(dataclasses.replace(counts, speculative=None), 16, include=[word])
+
+
 def test_generation_config_eos_ids_are_kept(bpe, tmp_path):
     """Chat models list several EOS ids in generation_config.json: all of them stay in the map."""
     import shutil

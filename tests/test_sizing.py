@@ -180,6 +180,23 @@ def test_bad_inputs_name_the_problem(kwargs, message):
         estimate_sizes(zipf_counts(), args.pop("vocab_size"), 64, 2, args.pop("sizes"), draft_steps=3, **args)
 
 
+def test_counts_past_the_vocab_fit_when_never_counted(tmp_path, capsys):
+    """A tokenizer may add tokens past the model's vocab (Gemma 3's <image_soft_token> at id 262144
+    of 262144-id text models): corpus counts then span one id more, never counted."""
+    counts = torch.cat([zipf_counts(), torch.zeros(1, dtype=torch.int64)])
+    estimates = estimate_sizes(counts, VOCAB, 64, 2, [64, VOCAB], accept_length=2.0, draft_steps=3)
+    reference = estimate_sizes(counts[:VOCAB], VOCAB, 64, 2, [64, VOCAB], accept_length=2.0, draft_steps=3)
+    assert estimates == reference
+    path = str(tmp_path / "counts.pt")
+    TokenCounts(counts, 10, None, (2,), ("corpus.txt",), "text").save(path)
+    args = ["size", "--counts", path, "--vocab-size", str(VOCAB), "--hidden", "64", "--tp", "2", "--json"]
+    assert main(args) == 0
+    assert [s["size"] for s in json.loads(capsys.readouterr().out)["sizes"]][-2:] == [4096, VOCAB]
+    counts[VOCAB] = 1
+    with pytest.raises(MapBuildError, match=f"ids \\[{VOCAB}\\] past it were counted"):
+        estimate_sizes(counts, VOCAB, 64, 2, [64], accept_length=2.0, draft_steps=3)
+
+
 def _counts_file(tmp_path) -> str:
     path = str(tmp_path / "counts.pt")
     TokenCounts(zipf_counts(), 10, None, (2,), ("corpus.txt",), "text").save(path)

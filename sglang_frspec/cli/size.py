@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         vocab_size,
         args.hidden,
         args.tp,
-        args.sizes or coverage_sizes(counts.id_space, counts.id_space),
+        args.sizes or coverage_sizes(min(counts.id_space, vocab_size), min(counts.id_space, vocab_size)),
         accept_length=accept_length,
         draft_steps=draft_steps,
         accepted=counts.accepted,

@@ -17,6 +17,7 @@ from sglang_frspec.maps.tokenizer import (
     names_an_id,
     resolve_tokens,
     token_id_space,
+    vocab_id_space,
 )
 
 
@@ -67,11 +68,18 @@ def rebuild_token_map(
         tokenizer_path = tokenizer_path or counts.tokenizer
         tokenizer = load_tokenizer(tokenizer_path)
         space = token_id_space(tokenizer)
-        # Counts of a server's outputs span the model's vocab, which may be padded past the tokenizer's.
-        if space > counts.id_space or (space < counts.id_space and counts.server is None):
+        if counts.server is None and counts.speculative is None:
+            if space != counts.id_space:
+                raise MapBuildError(
+                    f"tokenizer {tokenizer_path!r}: has {space} ids, but the counts "
+                    f"were made with a tokenizer of {counts.id_space} ids ({counts.tokenizer!r})."
+                )
+        # Counts of a model's outputs (a server's or a serving plugin's) span the model's vocab, which
+        # may be padded past the tokenizer's ids or end before tokens the tokenizer adds past it.
+        elif vocab_id_space(tokenizer) > counts.id_space:
             raise MapBuildError(
-                f"tokenizer {tokenizer_path!r}: has {space} ids, but the counts "
-                f"were made with a tokenizer of {counts.id_space} ids ({counts.tokenizer!r})."
+                f"tokenizer {tokenizer_path!r}: its vocab has {vocab_id_space(tokenizer)} ids, more than the "
+                f"{counts.id_space} ids of the model whose outputs were counted ({counts.tokenizer!r})."
             )
         forced += eos_token_ids(tokenizer, tokenizer_path)
     forced += resolve_tokens(include, counts.id_space, tokenizer, f"tokenizer {tokenizer_path!r}")

@@ -39,7 +39,7 @@ from sglang_frspec.maps.tokenizer import (
     eos_token_ids,
     load_tokenizer,
     resolve_tokens,
-    token_id_space,
+    vocab_id_space,
     vocab_size_of,
 )
 
@@ -473,9 +473,9 @@ def build_token_map_from_server(
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
     eos_ids: tuple[int, ...] = ()
     if tokenizer is not None:
-        if token_id_space(tokenizer) > model.vocab_size:
+        if vocab_id_space(tokenizer) > model.vocab_size:
             raise MapBuildError(
-                f"tokenizer {tokenizer_path!r}: has {token_id_space(tokenizer)} ids, more than the "
+                f"tokenizer {tokenizer_path!r}: its vocab has {vocab_id_space(tokenizer)} ids, more than the "
                 f"{model.vocab_size} of the server's model {model.model_path!r}. Pass that model's tokenizer."
             )
         eos_ids = eos_token_ids(tokenizer, tokenizer_path)

@@ -135,10 +135,15 @@ def estimate_sizes(
     """The model above for each size (ids ranked by count, ties: smaller id first), then for each
     given map (name: hot ids). ``accepted``: accepted drafts per id, from serving counts."""
     if counts.numel() > vocab_size:
-        raise MapBuildError(
-            f"counts over {counts.numel()} ids do not fit --vocab-size {vocab_size}: counted with another "
-            "tokenizer?"
-        )
+        past = vocab_size + torch.nonzero(counts[vocab_size:]).flatten()
+        if past.numel():
+            raise MapBuildError(
+                f"counts over {counts.numel()} ids do not fit --vocab-size {vocab_size}: counted with "
+                f"another tokenizer? (ids {past[:10].tolist()} past it were counted)"
+            )
+        # Never counted: tokens a tokenizer adds past the model's vocab (Gemma 3's <image_soft_token>).
+        counts = counts[:vocab_size]
+        accepted = None if accepted is None else accepted[:vocab_size]
     if not 0.0 <= head_share < 1.0:
         raise MapBuildError(f"--head-share {head_share}: must be in [0, 1).")
     counts = counts.to(torch.int64)

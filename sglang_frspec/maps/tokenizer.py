@@ -37,6 +37,15 @@ def token_id_space(tokenizer) -> int:
     return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
 
 
+def vocab_id_space(tokenizer) -> int:
+    """The ids of the tokenizer's vocab without the tokens added past it: what a model's vocab must hold.
+
+    Added tokens may lie past the model's vocab: Gemma 3's tokenizer adds ``<image_soft_token>`` at
+    id 262144 to its text models of 262144 ids, which never read or emit it.
+    """
+    return min(token_id_space(tokenizer), tokenizer.vocab_size)
+
+
 def eos_token_ids(tokenizer, path: str) -> tuple[int, ...]:
     """The tokenizer's EOS id plus those in a ``generation_config.json`` beside it (chat models list more)."""
     ids = set() if tokenizer.eos_token_id is None else {int(tokenizer.eos_token_id)}
