@@ -21,7 +21,10 @@ def pd_node(payload: dict) -> list[dict]:
     (``get_buf``), the first draft input is built by SGLang's ``build_eagle_disagg_draft_input``
     and its ``topk_index`` mapped through this node's ``hot_token_id`` as ``draft_forward`` does:
     the token ids the decode node drafts from, or the error that stopped it. Every answer holds
-    the warnings the plugin logged during its step.
+    the warnings the plugin logged during its step. ``("decode_rejection", wire, file_ids)``
+    decodes under ``--speculative-use-rejection-sampling``: the answer also holds the first
+    verify's proposal q as the plugin's draft lays it over the vocab (``lay_hot_probs_over_vocab``
+    of the first draft row at ``hot_token_id``): each row's (token id, probability) pairs with q > 0.
 
     ``plugin``: the nodes run sglang-frspec (hooks applied, wire order installed as its draft
     worker does at start-up, ``hot_token_id`` the canonical ids); otherwise they are stock
@@ -31,10 +34,12 @@ def pd_node(payload: dict) -> list[dict]:
 
     from sglang.srt.disaggregation.utils import MetadataBuffers
     from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.runtime_context import get_spec
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from sglang_frspec.core import TokenMapError, canonical_hot_ids
+    from sglang_frspec.core.hot_probs import lay_hot_probs_over_vocab
 
     warnings: list[str] = []
 
@@ -89,13 +94,20 @@ def pd_node(payload: dict) -> list[dict]:
             req.hidden_states_tensor, req.output_dsa_topk_indices = hidden_states, dsa_topk_indices
             reqs.append(req)
         # The fields of a prebuilt decode batch that the draft-input builder reads.
-        batch = SimpleNamespace(reqs=reqs, device="cpu", enable_overlap=False,
-                                model_config=SimpleNamespace(hf_config=SimpleNamespace()))  # fmt: skip
+        batch = SimpleNamespace(reqs=reqs, device="cpu", enable_overlap=False, model_config=SimpleNamespace(
+            hf_config=SimpleNamespace(), vocab_size=payload["vocab"]))  # fmt: skip
         last_tokens = torch.tensor([7] * len(reqs))
         try:
-            spec_info = SpeculativeAlgorithm.EAGLE.build_disagg_draft_input(batch, last_tokens, None)
-            answers.append({"tokens": hot_token_id[spec_info.topk_index].tolist()})
-        except (IndexError, TokenMapError) as e:  # IndexError: what a device assert is on the GPU
-            answers.append({"error": f"{type(e).__name__}: {e}"})
-        answers[-1]["warnings"] = list(warnings)
+            with get_spec().override(speculative_use_rejection_sampling=role == "decode_rejection"):
+                spec_info = SpeculativeAlgorithm.EAGLE.build_disagg_draft_input(batch, last_tokens, None)
+            answer = {"tokens": hot_token_id[spec_info.topk_index].tolist()}
+            if role == "decode_rejection":  # the draft's first row of q ([bs, steps, H] there)
+                q = lay_hot_probs_over_vocab(
+                    spec_info.draft_probs.unsqueeze(1), hot_token_id, payload["vocab"]
+                )
+                answer["proposal"] = [[(t, float(row[t])) for t in row.nonzero().flatten().tolist()]
+                                      for row in q[:, 0]]  # fmt: skip
+        except (IndexError, ValueError, TokenMapError) as e:  # IndexError: a device assert on the GPU
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        answers.append(answer | {"warnings": list(warnings)})
     return answers

@@ -53,6 +53,8 @@ def nodes(perm) -> tuple[list[dict], list[dict], list[dict]]:
         ("prefill", LONGER_PLUGIN_PICKED, LONGER),  # 5
         ("decode", 5, FILE_IDS),  # 6: plugin with a longer map -> plugin
         ("decode", 1, REORDERED),  # 7: plugin -> plugin with the same ids sorted
+        ("decode_rejection", 1, FILE_IDS),  # 8: plugin -> plugin under rejection sampling
+        ("decode_rejection", stock[0]["wire"], FILE_IDS),  # 9: stock -> plugin, the same
     ])  # fmt: skip
     stock_decode = _node(perm, False, [("decode", plugin[1]["wire"], FILE_IDS),
                                        ("decode", stock[0]["wire"], FILE_IDS)])  # fmt: skip
@@ -105,3 +107,15 @@ def test_plugin_nodes_with_different_maps_fail_loudly(nodes):
         assert "the same ids in another order (e.g. a sorted or adapted map" in answer["error"]
         assert "Copy one map file to every prefill and decode node" in answer["error"]
         assert answer["warnings"] == []
+
+
+def test_rejection_sampling_decode_proposes_the_drafted_token_with_probability_one(nodes):
+    """Under rejection sampling a decode node's first verify reads q one-hot at each received draft
+    (stock's ``pd_first_draft_proposal``: the prefill node ships drafts, not q). With a map the
+    plugin builds it over the hot columns, so the draft lays it over the vocab with its later steps'
+    rows: one at the first drafted token id, from a plugin or a stock prefill node."""
+    (stock_prefill, _), plugin, _ = nodes
+    for answer, sent in ((plugin[8], plugin[1]), (plugin[9], stock_prefill)):
+        assert "error" not in answer, answer["error"]
+        assert answer["tokens"] == sent["tokens"]
+        assert answer["proposal"] == [[(row[0], 1.0)] for row in sent["tokens"]]

@@ -146,6 +146,12 @@ CONTRACT: tuple[Entry, ...] = (
     Attribute("sglang.srt.managers.schedule_batch:ScheduleBatch.reqs"),
     Signature("sglang.srt.runtime_context:get_disagg", "()"),
     Attribute("sglang.srt.arg_groups.fields.disagg:Disagg.disaggregation_mode"),
+    # ... and, under rejection sampling, the decode node's first proposal q, rebuilt over the hot
+    # columns with stock's builder
+    Attribute("sglang.srt.speculative.eagle_info:EagleDraftInput.draft_probs"),
+    Signature(
+        "sglang.srt.speculative.eagle_disaggregation:pd_first_draft_proposal", "(topk_index, vocab_size)"
+    ),
     # token_map.py: SGLang's own map loader (hub paths)
     Signature("sglang.srt.speculative.spec_utils:load_token_map", "(token_map_path)"),
     # head.py: the target's vocab-parallel LM head

@@ -13,6 +13,13 @@ node refuses rows tagged with another map's tag (stock nodes write and read no t
 outside the decode node's map (an untagged sender with a longer map) draft its first id instead,
 with a warning once.
 
+Under rejection sampling the decode node's first verify reads a proposal distribution q that stock
+builds one-hot at the received index over the *target* vocab (``pd_first_draft_proposal``: the
+prefill node ships the drafts, not q). With a map that index is a hot index, and the draft's later
+steps give q over the H hot columns: the plugin builds it one-hot over the hot columns at the
+canonical index instead, so the draft's ``[bs, steps, H]`` stack is laid over the vocab with the rest
+(``worker.after_draft``) and q is one at the drafted token.
+
 Each scheduler process serves one draft worker, which installs its wire order here when it
 starts on a PD node; processes without one (no map, not PD) translate nothing.
 """
@@ -80,4 +87,10 @@ def from_wire_after_draft_input(spec_info, batch, *args, **kwargs):
             _wire_order.file_to_canonical.numel(),
         )
     spec_info.topk_index = _wire_order.from_wire(spec_info.topk_index)
+    if spec_info.draft_probs is not None:  # rejection sampling: q over the hot columns
+        # Imported here: a name SGLang lost is the contract check's to report, not an ImportError.
+        from sglang.srt.speculative.eagle_disaggregation import pd_first_draft_proposal
+
+        proposal = pd_first_draft_proposal(spec_info.topk_index, _wire_order.canonical_to_file.numel())
+        spec_info.draft_probs = proposal if spec_info.draft_probs.dim() == 3 else proposal[:, 0]
     return spec_info
