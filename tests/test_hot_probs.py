@@ -109,3 +109,36 @@ def test_target_only_sampling_of_hot_drafts_commits_the_target_distribution():
     committed = torch.bincount(predicts[0::3].long(), minlength=vocab).float()  # the root's next token
     chi2 = float(((committed - n * p) ** 2 / (n * p)).sum())
     assert chi2 < 40, (chi2, committed / n, p)
+
+
+def test_the_law_checks_fault_model_is_what_the_verify_commits():
+    """The server law check (tests/test_servers_plugin.py) takes its power against a wrong scatter
+    from ``sampling_law.chain_rejection_law``: drafts from the hot q, the verify reading q rescaled
+    to the target's mass on the map. SGLang's chain rejection sampling (the CPU site's op) commits
+    that law, far from p (seeded chi-square over 12 tokens at 40 against it, above 1000 against p)."""
+    from tests.harness.sampling_law import chain_rejection_law
+    from tests.test_cpu_standin_sampling import ops
+
+    g = torch.Generator().manual_seed(11)
+    n, vocab = 20000, 12
+    in_map = torch.zeros(vocab, dtype=torch.bool)
+    in_map[[9, 2, 5, 0, 7, 3]] = True
+    logits = torch.randn(vocab, generator=g) * 2
+    p = torch.softmax(logits, -1)
+    q = torch.softmax(logits.masked_fill(~in_map, -torch.inf), -1)  # a draft that is p on the map
+    q_seen = q * p[in_map].sum()  # the fault: rescaled to the target's mass on the map
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)
+    predicts = torch.full((2 * n,), -1, dtype=torch.int32)
+    candidates = torch.stack([torch.zeros(n, dtype=torch.int64), drafts], 1)
+    retrive = torch.arange(2 * n).view(n, 2)
+    ops.chain_speculative_sampling_triton(
+        predicts, torch.full((n, 2), -1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32), candidates,
+        retrive, retrive, retrive, torch.rand(n, 2, generator=g), torch.rand(n, generator=g),
+        p.expand(n, 2, vocab).contiguous(), q_seen.expand(n, 1, vocab).contiguous(), 1.0, 1.0, True,
+    )  # fmt: skip
+    committed = torch.bincount(predicts[0::2].long(), minlength=vocab).float()
+    law = chain_rejection_law(p, q, q_seen)
+    assert committed[law == 0].sum() == 0
+    chi2 = float(((committed - n * law) ** 2 / (n * law))[law > 0].sum())
+    assert chi2 < 40, (chi2, committed / n, law)
+    assert float(((committed - n * p) ** 2 / (n * p)).sum()) > 1000

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sglang_frspec.demo.server import plugin_activity
-from tests.harness.fixtures import random_fixture
+from tests.harness import sampling_law as law
+from tests.harness.fixtures import random_fixture, sharp_draft_fixture
 from tests.harness.greedy import compare_greedy
 
 pytestmark = pytest.mark.server
@@ -112,6 +113,7 @@ def test_tp2_plugin_without_map_is_unchanged(perm, start_server):
 
 
 TOPK1 = ("--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
+SEEDED = ("--random-seed", "36")  # the verify's coins and the draft's proposals: torch's RNG
 
 
 RENORMS = {"top_k_renorm_prob", "top_p_renorm_prob"}
@@ -134,39 +136,84 @@ def sampled_ops(server, chain, shim_log) -> set[str]:
     }
 
 
+# The law check: per sampling configuration, LAW_REQUESTS requests of one prompt, 3 tokens each
+# (2 decided by the verify), all in one batch; X^2 over 4 classes at level LAW_ALPHA.
+LAW_CONFIGS = (law.Sampling(), law.Sampling(top_p=0.8), law.Sampling(top_k=2000))
+LAW_REQUESTS, LAW_ALPHA, LAW_MIN_POWER = 150, 1e-3, 0.99
+
+
+def check_sampling_law(server, fixture, rejection: bool) -> None:
+    """The tokens the verify commits follow the target's law computed by an HF forward (see
+    ``tests.harness.sampling_law``), at temperature 1.0, with top-p and with top-k; the map misses
+    39% of the target's mass (its most probable token too, after a first token outside the map).
+    Before the verdict: the check's simulated power against each scatter fault of
+    ``sampling_law.fault_laws`` at these contexts is at least LAW_MIN_POWER."""
+    prompt = list(fixture.chain[:3])
+    configs = [c for c in LAW_CONFIGS for _ in range(LAW_REQUESTS)]
+    params = [c.params() | {"max_new_tokens": 3, "ignore_eos": True} for c in configs]
+    outs = server.post("/generate", {"input_ids": [prompt] * len(configs), "sampling_params": params})
+    in_map = torch.zeros(fixture.vocab_size, dtype=torch.bool)
+    in_map[torch.load(fixture.token_map("hot"))] = True
+    failures = []
+    for i, sampling in enumerate(LAW_CONFIGS):
+        outputs = [o["output_ids"] for o in outs[i * LAW_REQUESTS : (i + 1) * LAW_REQUESTS]]
+        assert {len(o) for o in outputs} == {3}
+        contexts, tokens = law.decided_tokens([prompt] * LAW_REQUESTS, outputs)
+        logits = law.target_logits(fixture.target, contexts)
+        laws = law.target_laws(logits, sampling)
+        probs = law.class_probs(laws, in_map)
+        result = law.check_law(probs, law.classes_of(tokens, laws, in_map), LAW_ALPHA)
+        powers = {
+            fault: law.power(result, law.class_probs(wrong, in_map))
+            for fault, wrong in law.fault_laws(logits, sampling, in_map, rejection).items()
+        }
+        print(f"{sampling}: {result}; power {powers}")
+        assert min(powers.values()) >= LAW_MIN_POWER, (sampling, powers)
+        if result.p_value < LAW_ALPHA:
+            failures.append(f"{sampling}: {result}")
+    assert not failures, failures
+
+
 def test_tp2_topk1_with_a_map(perm, start_server, tmp_path):
     """--speculative-eagle-topk 1: the draft takes an argmax over the hot logits (SGLang's fast
     path that writes draft tokens directly is off with a map) and the top-k packet carries k=1.
-    Temperature 1.0 requests take SGLang's target-only sampling verify (the CPU site routes it)."""
+    Temperature 1.0 requests take SGLang's target-only sampling verify (the CPU site routes it),
+    and the tokens it commits follow the target's law."""
+    sharp = sharp_draft_fixture(perm)
     env = {"SGLANG_FRSPEC_EXCHANGE": "topk", "SGL_SHIM_LOG": str(tmp_path / "shim.log")}
-    server = start_server(perm, 2, perm.token_map("hot"), env=env, extra=TOPK1)
-    assert generate_chains(server, perm.chain) == [3.0, 3.0, 3.0]  # 2 steps, every draft accepted
-    assert_plugin_active(server, num_hot(perm.token_map("hot")), 2, "balanced", "topk")
+    server = start_server(sharp, 2, sharp.token_map("hot"), env=env, extra=(*TOPK1, *SEEDED))
+    assert generate_chains(server, sharp.chain) == [3.0, 3.0, 3.0]  # 2 steps, every draft accepted
+    assert_plugin_active(server, num_hot(sharp.token_map("hot")), 2, "balanced", "topk")
     assert (
-        sampled_ops(server, perm.chain, tmp_path / "shim.log")
+        sampled_ops(server, sharp.chain, tmp_path / "shim.log")
         == {"tree_speculative_sampling_target_only"} | RENORMS
     )
+    check_sampling_law(server, sharp, rejection=False)
 
 
 def test_tp2_rejection_sampling_with_a_map(perm, start_server, tmp_path):
     """--speculative-use-rejection-sampling with a map (refused by stock): exchange=topk falls back
     to full (rejection sampling needs the draft's whole distribution), temperature 1.0 requests
-    complete through SGLang's rejection-sampling verify, and greedy still follows the chain."""
+    complete through SGLang's rejection-sampling verify and the tokens it commits follow the
+    target's law (the draft's hot probabilities laid over the vocab right), and greedy still
+    follows the chain."""
+    sharp = sharp_draft_fixture(perm)
     env = {"SGLANG_FRSPEC_EXCHANGE": "topk", "SGL_SHIM_LOG": str(tmp_path / "shim.log")}
-    extra = ("--speculative-use-rejection-sampling", *TOPK1)
-    server = start_server(perm, 2, perm.token_map("hot"), env=env, extra=extra)
+    extra = ("--speculative-use-rejection-sampling", *TOPK1, *SEEDED)
+    server = start_server(sharp, 2, sharp.token_map("hot"), env=env, extra=extra)
     assert (
-        sampled_ops(server, perm.chain, tmp_path / "shim.log")
+        sampled_ops(server, sharp.chain, tmp_path / "shim.log")
         == {
             "chain_speculative_sampling_triton",
             "row_argmax",
         }
         | RENORMS
     )
+    check_sampling_law(server, sharp, rejection=True)
     # Greedy: plain greedy's chain (accept lengths may fall below 3.0: under rejection sampling
     # stock's draft extend after prefill samples its first proposal at T=1 for greedy rows too).
-    generate_chains(server, perm.chain)
-    assert_plugin_active(server, num_hot(perm.token_map("hot")), 2, "balanced", "full")
+    generate_chains(server, sharp.chain)
+    assert_plugin_active(server, num_hot(sharp.token_map("hot")), 2, "balanced", "full")
     warning = "exchange=topk cannot give rejection sampling the draft's whole hot distribution"
     assert server.log().count(warning) == 1
 

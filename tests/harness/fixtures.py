@@ -127,3 +127,24 @@ def quant_config_fixture(fixture: PermFixture, name: str) -> PermFixture:
 
     root = cached_build(fixture.root.with_name(f"{fixture.root.name}-{name}"), build, marker="chains.json")
     return PermFixture(root, fixture.vocab_size, fixture.hidden_size, fixture.chain, fixture.low_chain)
+
+
+def sharp_draft_fixture(fixture: PermFixture) -> PermFixture:
+    """``fixture`` with its draft's ``fc`` scaled by sqrt(hidden): the draft's hidden state is then
+    the target's final one (RMSNorm of a unit embedding), so the draft's logits equal the target's
+    and a map's draft law is the target's law renormalised over the map (sampling tests need a draft
+    near the target; the plain fixture's draft logits are cosines, near uniform at temperature 1).
+    Greedy drafts are unchanged. Target, tokenizer and maps are hard links to ``fixture``'s."""
+    from safetensors.torch import load_file, save_file
+
+    def build(root: Path) -> None:
+        shutil.copytree(fixture.root, root, copy_function=os.link)
+        path = root / "draft" / "model.safetensors"
+        tensors = load_file(str(path))
+        tensors["fc.weight"] = tensors["fc.weight"] * fixture.hidden_size**0.5
+        path.unlink()  # a new file, never a write through the link into the original
+        save_file(tensors, str(path), metadata={"format": "pt"})
+
+    name = f"{fixture.root.name}-sharp-{BUILDER_DIGEST}"
+    root = cached_build(fixture.root.with_name(name), build, marker="chains.json")
+    return PermFixture(root, fixture.vocab_size, fixture.hidden_size, fixture.chain, fixture.low_chain)
