@@ -15,6 +15,13 @@ Reports per configuration and domain: accept length, tokens/s, ratio to EAGLE wi
 plain decoding, and whether the outputs equal plain greedy decoding at that TP (tie-aware: a
 difference is allowed only at a top-2 near-tie of the target, see tests.harness.greedy).
     python benchmarks/bench_acceptance.py --json docs/results/acceptance.json --plot docs/acceptance.png
+
+``--sampling`` measures accept length under sampling instead (no timing): EAGLE without a map and
+with ``--sampling-map``, each with SGLang's target-only verify and with rejection sampling
+(``--speculative-use-rejection-sampling``), one server each, at each of ``--temperatures``
+(requests seeded through ``--random-seed``; at temperature 0 rejection sampling is greedy).
+    python benchmarks/bench_acceptance.py --sampling --tp 1 --max-new-tokens 32 \
+        --json docs/results/acceptance-sampling-cpu.json
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ from tests.harness.zygote import forked_launch  # noqa: E402
 
 PLAIN, NO_MAP = "plain greedy", "EAGLE, no map"
 DOMAINS = ("code", "prose")
+# The verify under sampling: SGLang's default (target-only, any draft) or rejection sampling.
+VERIFIES = {"target-only": (), "rejection": ("--speculative-use-rejection-sampling",)}
+SEED = ("--random-seed", "36")
 
 
 @dataclass
@@ -50,6 +60,7 @@ class Config:
     token_map: str | None = None  # a map name of the fixture, or a map file
     layout: str = "balanced"
     exchange: str = "full"
+    extra: tuple = ()  # more server arguments
     samples: dict = field(default_factory=lambda: {d: [] for d in DOMAINS})
 
 
@@ -77,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-dir", help="keep server logs here")
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--plot", help="write accept length and speed against map size here (.png)")
+    p.add_argument("--sampling", action="store_true", help="accept length under sampling (see above)")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7, 1.0])
+    p.add_argument("--sampling-map", default=f"code_{MAP_SIZES[1]}", help="the map of --sampling")
     return p.parse_args(argv)
 
 
@@ -101,6 +115,7 @@ def start(config: Config, fixture, args, log_dir: Path) -> SGLangServer:
         cli += eagle_args(
             fixture.draft, token_map, steps=args.steps, topk=args.topk, draft_tokens=args.draft_tokens
         )
+    cli += config.extra
     options = {"SGLANG_FRSPEC_LAYOUT": config.layout, "SGLANG_FRSPEC_EXCHANGE": config.exchange}
     env = cpu_env(config.tp, with_plugin=True, base=os.environ | options)
     name = f"tp{config.tp}-{config.name.replace(' ', '_').replace('/', '-')}.log"
@@ -217,6 +232,48 @@ def summarize_tp(configs: list[Config], fixture, prompts: dict) -> list[dict]:
     return rows
 
 
+def sampling_rows(tp: int, fixture, args, log_dir: Path, prompts: dict) -> list[dict]:
+    """Accept length per (map, verify, temperature, domain): one server per map and verify, every
+    temperature's batches on it (the mean of the requests' accept lengths, as ``timed_batch``)."""
+    rows = []
+    for token_map in (None, args.sampling_map):
+        for verify, extra in VERIFIES.items():
+            name = f"{f'map {Path(token_map).stem}' if token_map else 'no map'}, {verify}"
+            server = start(
+                Config(name, tp, token_map=token_map, extra=(*extra, *SEED)), fixture, args, log_dir
+            )
+            server.resume()
+            try:
+                for temperature in args.temperatures:
+                    for domain in DOMAINS:
+                        params = {"max_new_tokens": args.max_new_tokens, "temperature": temperature,
+                                  "ignore_eos": True}  # fmt: skip
+                        outs = server.post(
+                            "/generate", {"input_ids": prompts[domain], "sampling_params": params}
+                        )
+                        accept = [o["meta_info"]["spec_accept_length"] for o in outs]
+                        row = {"tp": tp, "map": token_map, "verify": verify, "temperature": temperature}
+                        rows.append(row | {"domain": domain, "accept_length": sum(accept) / len(accept)})
+            finally:
+                server.stop()
+    return rows
+
+
+def print_sampling(rows: list[dict], temperatures: list[float]) -> None:
+    """One line per TP, map and verify; one column per temperature and domain."""
+    columns = [(t, d) for t in temperatures for d in DOMAINS]
+    print(f"{'tp':>2} {'map':<10} {'verify':<12} " + " ".join(f"{f'T={t:g} {d}':>12}" for t, d in columns))
+    for key in dict.fromkeys((r["tp"], r["map"], r["verify"]) for r in rows):
+        cells = {
+            (r["temperature"], r["domain"]): r["accept_length"]
+            for r in rows
+            if (r["tp"], r["map"], r["verify"]) == key
+        }
+        tp, token_map, verify = key
+        line = f"{tp:>2} {Path(token_map).stem if token_map else 'no map':<10} {verify:<12} "
+        print(line + " ".join(f"{cells[c]:>12.2f}" for c in columns))
+
+
 def plot(rows: list[dict], path: str) -> None:
     from matplotlib.figure import Figure
 
@@ -255,6 +312,16 @@ def main(argv=None) -> int:
     report = fixture.report
     prompts = {d: fixture.prompts(d)[: args.prompts] for d in DOMAINS}
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sglang-frspec-acceptance-"))
+    if args.sampling:
+        rows = [r for tp in args.tp for r in sampling_rows(tp, fixture, args, log_dir, prompts)]
+        spec = f"EAGLE steps={args.steps} topk={args.topk} draft tokens={args.draft_tokens}"
+        print(f"\n{spec}; {args.prompts} prompts x {args.max_new_tokens} tokens per domain; logs {log_dir}")
+        print_sampling(rows, args.temperatures)
+        if args.json:
+            Path(args.json).write_text(
+                json.dumps({"args": vars(args), "fixture": report, "results": rows}, indent=1)
+            )
+        return 0
     rows: list[dict] = []
     for tp in args.tp:
         rows += summarize_tp(run_tp(tp, fixture, args, log_dir, prompts), fixture, prompts)
