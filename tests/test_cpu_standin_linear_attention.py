@@ -12,6 +12,7 @@ the numeric tests; ``test_exported_where_sglang_looks`` imports the package as S
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,14 +38,37 @@ NEXT_SIBLING = [-1, 2, -1, -1, -1]
 TREE_PARENTS = [0, 0, 0, 1, 2]
 
 TRITON_CHILD = """
-import sys, torch
+import inspect, sys, torch
+from types import SimpleNamespace
 from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_fn, causal_conv1d_update
 from sglang.kernels.ops.attention.linear.fused_gdn_gating import fused_gdn_gating
 from sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent import (
     fused_sigmoid_gating_delta_rule_update,
 )
+from sglang.kernels.ops.attention.triton_gdn_fused_proj import (
+    fused_qkvzba_split_reshape_cat_contiguous,
+)
+from sglang.kernels.ops.attention.fla import layernorm_gated
+from sglang.kernels.ops.mamba import mamba_state_scatter_triton as scatter
+# Launch geometry only: the SM count and the PDL check ask CUDA.
+layernorm_gated._get_sm_count = lambda device: 1
+layernorm_gated.is_arch_support_pdl = lambda: False
+# The two scatter wrappers refuse non-CUDA tensors before launching; the interpreter runs on CPU
+# tensors, so re-define each without that one check (everything else as SGLang has it).
+for name in ("fused_mamba_state_scatter_with_mask", "fused_conv_window_scatter_with_mask"):
+    source = inspect.getsource(getattr(scatter, name))
+    assert "not (dst.is_cuda or dst.is_xpu)" in source, name
+    exec(source.replace("not (dst.is_cuda or dst.is_xpu)", "False"), scatter.__dict__)
+
+def scatter_after_verify(temporal, intermediate_ssm, conv, windows, *indices):
+    caches = SimpleNamespace(temporal=temporal, intermediate_ssm=intermediate_ssm, conv=conv,
+                             intermediate_conv_window=windows)
+    return scatter.scatter_mamba_states_after_mtp_verify(caches, *indices)
+
 kernels = {"conv_fn": causal_conv1d_fn, "conv_update": causal_conv1d_update,
-           "gating": fused_gdn_gating, "recurrent": fused_sigmoid_gating_delta_rule_update}
+           "gating": fused_gdn_gating, "recurrent": fused_sigmoid_gating_delta_rule_update,
+           "split": fused_qkvzba_split_reshape_cat_contiguous,
+           "gated_norm": layernorm_gated.rms_norm_gated, "scatter": scatter_after_verify}
 cases = torch.load(sys.argv[1])
 for case in cases.values():
     case["out"] = kernels[case["kernel"]](*case["args"], **case["kwargs"])
@@ -53,6 +77,8 @@ torch.save(cases, sys.argv[2])
 
 
 def _clone(value):
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
@@ -146,7 +172,79 @@ def _recurrent_case(batch: int, steps: int, verify: bool, tree: bool) -> dict:
     return {"kernel": "recurrent", "args": (), "kwargs": kwargs}
 
 
+def _split_case() -> dict:
+    """Qwen3.5's contiguous projections of 3 tokens: [q | k | v | z] and [b | a]."""
+    g = _gen(17)
+    tokens = 3
+    return {
+        "kernel": "split",
+        "args": (
+            torch.randn(tokens, 2 * H * K + 2 * HV * V, generator=g),
+            torch.randn(tokens, 2 * HV, generator=g),
+            H,
+            HV,
+            K,
+            V,
+        ),
+        "kwargs": {},
+    }
+
+
+def _gated_norm_case(dtype: torch.dtype) -> dict:
+    """The GDN output norm over 7 rows of value heads (12 wide: the kernel masks its block)."""
+    g = _gen(19)
+    rows, width = 7, 12
+    return {
+        "kernel": "gated_norm",
+        "args": (),
+        "kwargs": {
+            "x": torch.randn(rows, width, generator=g).to(dtype),
+            "weight": torch.randn(width, generator=g).to(dtype),
+            "bias": None,
+            "z": (torch.randn(rows, width, generator=g) * 3).to(dtype),
+            "eps": 1e-6,
+            "group_size": None,
+            "norm_before_gate": True,
+            "is_rms_norm": True,
+        },
+    }
+
+
+def _scatter_case(with_src_rows: bool) -> dict:
+    """The post-verify commit over 2 layers: ssm states (HV, V, K) and two conv types whose per-step
+    windows overlap in one shared buffer (SGLang's deduplicated layout); 3 requests, one rejected
+    outright (step -1), and a track set with one crossing."""
+    g = _gen(23 + with_src_rows)
+    layers, rows, steps = 2, 4, 4
+    windows, conv = [], []
+    for dim in (DIM, 3):
+        shared = torch.randn(layers, rows, dim, steps + WIDTH - 2, generator=g)
+        s = shared.stride()
+        windows.append(shared.as_strided((layers, rows, steps, dim, WIDTH - 1), (s[0], s[1], 1, s[2], 1)))
+        conv.append(torch.randn(layers, SLOTS, dim, WIDTH - 1, generator=g))
+    return {
+        "kernel": "scatter",
+        "args": (
+            torch.randn(layers, SLOTS, HV, V, K, generator=g),
+            torch.randn(layers, rows, steps, HV, V, K, generator=g),
+            conv,
+            windows,
+            torch.tensor([3, 0, 4], dtype=torch.int32),  # each request's cache slot
+            torch.tensor([2, -1, 0], dtype=torch.int64),  # its last accepted step
+            torch.tensor([1, 2, 1], dtype=torch.int32),  # its track slot
+            torch.tensor([-1, -1, 3], dtype=torch.int64),  # the step to track (-1: none)
+            torch.tensor([3, 1, 0], dtype=torch.int32) if with_src_rows else None,
+        ),
+        "kwargs": {},
+    }
+
+
 CASES = {
+    "split": _split_case(),
+    "gated_norm_f32": _gated_norm_case(torch.float32),
+    "gated_norm_bf16": _gated_norm_case(torch.bfloat16),
+    "scatter": _scatter_case(with_src_rows=False),
+    "scatter_src_rows": _scatter_case(with_src_rows=True),
     "conv_fn": _conv_fn_case(),
     "conv_decode": _conv_update_case(1, tree=False),
     "conv_chain": _conv_update_case(4, tree=False),
@@ -174,8 +272,25 @@ def _run_standin(name: str) -> dict:
         "conv_update": ops.causal_conv1d_update_cpu,
         "gating": ops.fused_gdn_gating_cpu,
         "recurrent": ops.fused_sigmoid_gating_delta_rule_update_cpu,
+        "split": ops.fused_qkvzba_split_reshape_cat_contiguous_cpu,
+        "gated_norm": _gated_norm,
+        "scatter": _scatter_after_verify,
     }[case["kernel"]]
     return {"args": args, "kwargs": kwargs, "out": op(*args, **kwargs)}
+
+
+def _gated_norm(x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm):
+    """rms_norm_gated's arguments, for the case SGLang's CPU branch sends to the op
+    (layernorm_gated.py:517-527): RMS, norm before a swish gate, no groups, no bias."""
+    assert bias is None and group_size is None and norm_before_gate and is_rms_norm
+    return ops.fused_rmsnorm_gated_cpu(x, weight, z, eps)
+
+
+def _scatter_after_verify(temporal, intermediate_ssm, conv, windows, *indices):
+    caches = SimpleNamespace(
+        temporal=temporal, intermediate_ssm=intermediate_ssm, conv=conv, intermediate_conv_window=windows
+    )
+    return ops.scatter_mamba_states_after_mtp_verify(caches, *indices)
 
 
 def _assert_same(ours, theirs, what: str) -> None:
@@ -185,7 +300,9 @@ def _assert_same(ours, theirs, what: str) -> None:
         return
     if isinstance(theirs, torch.Tensor):
         assert ours.shape == theirs.shape, what
-        torch.testing.assert_close(ours.to(theirs.dtype), theirs, atol=2e-5, rtol=2e-5, msg=what)
+        # bfloat16: float32 math on both sides may round the other way at one ulp (2**-7 relative).
+        tol = 8e-3 if theirs.dtype == torch.bfloat16 else 2e-5
+        torch.testing.assert_close(ours.to(theirs.dtype), theirs, atol=tol, rtol=tol, msg=what)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -325,8 +442,9 @@ def test_chunk_prefill_against_transformers(dtype):
 
 
 def test_exported_where_sglang_looks():
-    """The names SGLang binds on CPU (gdn_backend.py:184-188, gdn_triton.py:28-33) resolve to the
-    stand-in's ops, not to missing-op placeholders."""
+    """The names SGLang binds on CPU (gdn_backend.py:184-188, gdn_triton.py:28-33,
+    qwen3_5.py:296-297, layernorm_gated.py:525) resolve to the stand-in's ops, not to missing-op
+    placeholders."""
     import sgl_kernel
     from sgl_kernel import _linear_attention
     from sgl_kernel.mamba import causal_conv1d_fn_cpu, causal_conv1d_update_cpu, chunk_gated_delta_rule_cpu
@@ -335,5 +453,29 @@ def test_exported_where_sglang_looks():
     assert causal_conv1d_fn_cpu is _linear_attention.causal_conv1d_fn_cpu
     assert causal_conv1d_update_cpu is _linear_attention.causal_conv1d_update_cpu
     assert chunk_gated_delta_rule_cpu is _linear_attention.chunk_gated_delta_rule_cpu
-    for name in ("fused_gdn_gating_cpu", "fused_sigmoid_gating_delta_rule_update_cpu"):
+    for name in (
+        "fused_gdn_gating_cpu",
+        "fused_sigmoid_gating_delta_rule_update_cpu",
+        "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+        "fused_rmsnorm_gated_cpu",
+    ):
         assert getattr(torch.ops.sgl_kernel, name) is getattr(_linear_attention, name)
+
+
+@pytest.mark.parametrize("name", ["scatter", "scatter_src_rows"])
+def test_scatter_commits_the_accepted_steps(name):
+    """Spelled out: each accepted request's cache slot gets its scratch row's state at its last
+    accepted step (every layer, ssm and both conv types), the tracked one its track step too, and
+    the rejected request's slot and the unused slot keep theirs."""
+    run = _run_standin(name)
+    temporal, inter, conv, windows, slots, last, track_slots, track_steps, src_rows = CASES[name]["args"]
+    rows = [0, 1, 2] if src_rows is None else src_rows.tolist()
+    pairs = [(temporal, inter, run["args"][0])]
+    pairs += [(c, w, out) for c, w, out in zip(conv, windows, run["args"][2], strict=True)]
+    for before, source, after in pairs:
+        expected = before.clone()
+        expected[:, 3] = source[:, rows[0], 2]  # request 0: slot 3, step 2
+        expected[:, 4] = source[:, rows[2], 0]  # request 2: slot 4, step 0
+        expected[:, 1] = source[:, rows[2], 3]  # request 2 tracked: slot 1, step 3
+        torch.testing.assert_close(after, expected, atol=0, rtol=0)
+        assert not torch.equal(after, before)

@@ -8,6 +8,12 @@ SGLang's EAGLE verify commits argmax on CPU whatever the temperature (``_verify_
 ``is_cpu``: there are no CPU sampling kernels). The stand-in has torch versions of both
 (``sgl_kernel/_sampling.py``), so this plugin routes the CPU to the sampling path and gives the
 verify those two ops: temperature > 0 requests then take SGLang's own sampling verify here.
+
+Two linear-attention (Qwen3.5 / Qwen3-Next) paths that have no CPU branch without AMX get one:
+the gated RMSNorm of the GDN output (``layernorm_gated.py:35`` decides ``_use_cpu`` from the real
+CPU, so it launches Triton at ``layernorm_gated.py:529``) takes SGLang's AMX branch, which calls the
+stand-in's ``fused_rmsnorm_gated_cpu``; the post-verify state commit, whose Triton kernels refuse
+CPU tensors (``mamba_state_scatter_triton.py:343,507``), is the stand-in's torch version.
 """
 
 import importlib
@@ -21,14 +27,14 @@ def _sampling_verify_on_cpu(original: Callable[..., bool], *, is_cpu: bool, **fl
     return original(is_cpu=False, **flags)
 
 
-def _logged(op: str) -> Callable:
+def _logged(op: str, family: str = "sampling") -> Callable:
     """The stand-in's op, noted in ``SGL_SHIM_LOG`` at each call (tests check the path taken)."""
-    from sgl_kernel import _log, _sampling
+    from sgl_kernel import _log
 
-    run = getattr(_sampling, op)
+    run = getattr(importlib.import_module(f"sgl_kernel._{family}"), op)
 
     def call(*args, **kwargs):
-        _log(f"CALLED sampling.{op}")
+        _log(f"CALLED {family}.{op}")
         return run(*args, **kwargs)
 
     return call
@@ -48,6 +54,15 @@ def register() -> None:
         ("sglang.kernels.ops.speculative.row_argmax.", "row_argmax"),
     ):
         HookRegistry.register(target + op, _logged(op), HookType.REPLACE)
+    op = "scatter_mamba_states_after_mtp_verify"
+    HookRegistry.register(
+        f"sglang.kernels.ops.mamba.mamba_state_scatter_triton.{op}",
+        _logged(op, "linear_attention"),
+        HookType.REPLACE,
+    )
+    # The gated norm's AMX branch (layernorm_gated.py:517-527): norm before a swish gate, no
+    # groups (SGLang asserts that there), on the stand-in's op.
+    importlib.import_module("sglang.kernels.ops.attention.fla.layernorm_gated")._use_cpu = True
     # Ops that are None on CPU: set, not a REPLACE hook, which would rebind every module global
     # that is the original object (every None in the process) to the replacement.
     eagle_utils = importlib.import_module(VERIFY.rstrip("."))

@@ -1,8 +1,9 @@
 """CPU-test-only stand-in for ``sgl_kernel`` (see ../README.md).
 
 Every ``sgl_kernel[.sub].name`` imports. Names implemented in ``_impl`` (attention, KV cache and
-tree ops), ``_sampling`` (the sampling-verify ops) or ``_linear_attention`` (the gated-delta-net
-conv, gating and delta-rule ops) work; any other name is
+tree ops), ``_sampling`` (the sampling-verify ops), ``_linear_attention`` (the gated-delta-net
+conv, gating, delta-rule, projection-split, gated-norm and state-commit ops) or
+``_gated_attention`` (Qwen3.5's q/k Gemma norms and sigmoid output gate) work; any other name is
 a placeholder that raises ``NotImplementedError`` when called, so a code path that needs a
 missing kernel fails loudly. ``SGL_SHIM_LOG=FILE`` appends each resolved name to FILE.
 """
@@ -15,9 +16,9 @@ import types
 
 import torch
 
-from sgl_kernel import _impl, _linear_attention, _sampling
+from sgl_kernel import _gated_attention, _impl, _linear_attention, _sampling
 
-_FAMILIES = (_impl, _sampling, _linear_attention)  # one module per op family
+_FAMILIES = (_impl, _sampling, _linear_attention, _gated_attention)  # one module per op family
 _OWN_MODULES = {m.__name__ for m in _FAMILIES}
 
 __version__ = "0.0.0+frspec-cpu-standin"
@@ -89,8 +90,8 @@ class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 sys.meta_path.insert(0, _SubmoduleFinder())
 
-# Some SGLang code (the intel_amx attention backend, the GDN backend) calls
-# torch.ops.sgl_kernel.<op> directly.
-for _family in (_impl, _linear_attention):
+# Some SGLang code (the intel_amx attention backend, the GDN backend, Qwen3.5's layers at import)
+# calls torch.ops.sgl_kernel.<op> directly.
+for _family in (_impl, _linear_attention, _gated_attention):
     for _name in _family.TORCH_OPS:
         setattr(torch.ops.sgl_kernel, _name, getattr(_family, _name))

@@ -310,5 +310,99 @@ def fused_sigmoid_gating_delta_rule_update_cpu(
     return out.view(v.shape)
 
 
-# Called as torch.ops.sgl_kernel.<name> (gdn_backend.py:188, gdn_triton.py:31-33).
-TORCH_OPS = ["fused_gdn_gating_cpu", "fused_sigmoid_gating_delta_rule_update_cpu"]
+# ---------------------------------------------------------------------------- projection, norm
+
+
+def fused_qkvzba_split_reshape_cat_contiguous_cpu(
+    mixed_qkvz: torch.Tensor,
+    mixed_ba: torch.Tensor,
+    num_heads_qk: int,
+    num_heads_v: int,
+    head_qk: int,
+    head_v: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3.5's contiguous GDN projections [q | k | v | z] and [b | a] (per TP shard) split into
+    mixed_qkv (tokens, 2 * H * K + HV * V), z (tokens, HV, V), b and a (tokens, HV)."""
+    qkv_dim = 2 * num_heads_qk * head_qk + num_heads_v * head_v
+    if mixed_qkvz.shape[-1] != qkv_dim + num_heads_v * head_v or mixed_ba.shape[-1] != 2 * num_heads_v:
+        raise ValueError(
+            f"sgl_kernel CPU stand-in: qkvz {tuple(mixed_qkvz.shape)} / ba {tuple(mixed_ba.shape)} do "
+            f"not hold {num_heads_qk} key heads of {head_qk} and {num_heads_v} value heads of {head_v}"
+        )
+    tokens = mixed_qkvz.shape[0]
+    return (
+        mixed_qkvz[:, :qkv_dim].contiguous(),
+        mixed_qkvz[:, qkv_dim:].reshape(tokens, num_heads_v, head_v).contiguous(),
+        mixed_ba[:, :num_heads_v].contiguous(),
+        mixed_ba[:, num_heads_v:].contiguous(),
+    )
+
+
+def fused_rmsnorm_gated_cpu(input: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float):
+    """The GDN output norm (``kernels/ops/attention/fla/layernorm_gated.py:524-527`` on CPU):
+    RMSNorm over the last dim, times weight, times silu(gate), in float32; input's dtype out."""
+    if gate.shape != input.shape or weight.shape != input.shape[-1:]:
+        raise ValueError(
+            f"sgl_kernel CPU stand-in: fused_rmsnorm_gated_cpu input {tuple(input.shape)}, gate "
+            f"{tuple(gate.shape)}, weight {tuple(weight.shape)} do not match"
+        )
+    x = input.float()
+    normed = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.float()
+    return (normed * F.silu(gate.float())).to(input.dtype)
+
+
+# ---------------------------------------------------------------------------- post-verify commit
+
+
+def _scatter_steps(dst, src, dst_rows, steps, src_rows) -> None:
+    """dst[l, dst_rows[i]] = src[l, src_rows[i], steps[i]] for every layer l and every request i
+    with a step >= 0 and indices in range (what the Triton scatter kernels skip, this skips)."""
+    steps = steps.long()
+    dst_rows = dst_rows.long()
+    src_rows = torch.arange(steps.shape[0]) if src_rows is None else src_rows.long()
+    valid = (
+        (steps >= 0)
+        & (steps < src.shape[2])
+        & (dst_rows >= 0)
+        & (dst_rows < dst.shape[1])
+        & (src_rows >= 0)
+        & (src_rows < src.shape[1])
+    )
+    dst[:, dst_rows[valid]] = src[:, src_rows[valid], steps[valid]]
+
+
+def scatter_mamba_states_after_mtp_verify(
+    mamba_caches,
+    state_indices_tensor: torch.Tensor,
+    last_correct_step_indices: torch.Tensor,
+    mamba_track_indices: torch.Tensor | None,
+    mamba_steps_to_track: torch.Tensor | None,
+    src_indices_raw: torch.Tensor | None = None,
+) -> None:
+    """Commit the accepted draft step's states after a verify (SGLang's
+    ``kernels/ops/mamba/mamba_state_scatter_triton.py`` function of this name, whose kernels take
+    only CUDA/XPU tensors): each request's ssm state and every conv window of its last accepted
+    step go to its cache slot, and, where a track step is set, to its track slot.
+
+    ``mamba_caches`` holds ``temporal`` [L, slots, ...] and ``intermediate_ssm`` [L, rows, steps,
+    ...], and the lists ``conv`` [L, slots, dim, K - 1] and ``intermediate_conv_window`` [L, rows,
+    steps, dim, K - 1] (an overlapping view in SGLang). The CPU-test plugin routes SGLang's
+    function here."""
+    pairs = [(mamba_caches.temporal, mamba_caches.intermediate_ssm)]
+    pairs += list(zip(mamba_caches.conv, mamba_caches.intermediate_conv_window))
+    for dst, src in pairs:
+        if dst.numel() == 0:
+            continue
+        _scatter_steps(dst, src, state_indices_tensor, last_correct_step_indices, src_indices_raw)
+        if mamba_track_indices is not None:
+            _scatter_steps(dst, src, mamba_track_indices, mamba_steps_to_track, src_indices_raw)
+
+
+# Called as torch.ops.sgl_kernel.<name> (gdn_backend.py:188, gdn_triton.py:31-33,
+# qwen3_5.py:296-297, layernorm_gated.py:525).
+TORCH_OPS = [
+    "fused_gdn_gating_cpu",
+    "fused_sigmoid_gating_delta_rule_update_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+    "fused_rmsnorm_gated_cpu",
+]
