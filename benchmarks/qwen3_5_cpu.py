@@ -1,0 +1,197 @@
+"""A tiny random-weight Qwen3.5 target served by SGLang on CPU, greedy (plain, or NEXTN with its
+MTP layer, optionally with a token map and this plugin) against HF greedy (issue 35 item 2; not
+part of CI: one server start, about 110 s at TP=1 on a busy 2-core machine, plus about 45 s of HF
+forwards).
+
+    .venv/bin/python benchmarks/qwen3_5_cpu.py                     # plain greedy at TP=1 vs HF
+    .venv/bin/python benchmarks/qwen3_5_cpu.py --nextn --topk 2      # NEXTN (its MTP layer) vs HF
+    .venv/bin/python benchmarks/qwen3_5_cpu.py --tp 2 --map          # NEXTN + map + plugin at TP=2
+
+The checkpoint is what SGLang serves for Qwen3.5 (``Qwen3_5ForConditionalGeneration``: SGLang
+registers no text-only Qwen3.5 class, ``srt/models/qwen3_5.py:3021``), built by Transformers from
+a tiny config: one gated-delta-net layer and one gated full-attention layer, key and value head
+sizes differing and twice as many value as key heads in the linear layer, an odd vocabulary
+(4093: the last TP=2 shard is padded, as on the released 248077-id model), a one-block vision
+tower. Transformers drops ``mtp.*`` weights, so the MTP layer (a copy of the full-attention layer,
+the released names) is appended as ``mtp.safetensors``. The config also carries
+``full_attention_interval`` (SGLang's layer typing reads it, ``configs/qwen3_next.py:264``) and the
+folder a Qwen3-VL processor (SGLang's tokenizer manager loads one for this architecture even with
+``--skip-tokenizer-init``, ``managers/tokenizer_manager.py:616``).
+
+Server settings: ``--dtype float32`` (the config's top-level dtype is not the text model's: SGLang
+picked float16 without it), ``SGLANG_MAMBA_CONV_DTYPE=float32`` (SGLang keeps the conv state in
+bfloat16 by default, ``configs/mamba_utils.py:67``: decode then differs from HF's float32 at
+margins up to 0.008), ``--disable-radix-cache`` (the hybrid cache mode asserts a GPU),
+``--max-mamba-cache-size 32`` (else 3 GB of ssm states).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.harness
+
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
+from sglang_frspec.demo.fixtures import cache_root, cached_build, save_word_tokenizer, source_digest  # noqa: E402
+from sglang_frspec.demo.server import SGLangServer, plugin_activity  # noqa: E402
+from tests.harness.greedy import compare_greedy, reference_greedy  # noqa: E402
+
+VOCAB = 4093
+HIDDEN = 128
+INIT_STD = 0.1
+SEED = 0
+NEW_TOKENS = 16
+PROMPTS = [[5, 77, 1203], [4000, 17], [9, 9, 9, 9, 2500]]
+TEXT_CONFIG = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 2 * HIDDEN,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+    "mtp_num_hidden_layers": 1,
+}
+VISION_CONFIG = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                 "out_hidden_size": HIDDEN, "num_position_embeddings": 64}  # fmt: skip
+SERVER_ARGS = [
+    "--skip-tokenizer-init",
+    "--dtype",
+    "float32",
+    "--disable-radix-cache",
+    "--max-mamba-cache-size",
+    "32",
+]
+SERVER_ENV = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
+
+
+def _mtp_tensors(state: dict, gen: torch.Generator) -> dict:
+    """Qwen3.5's MTP block under its released names: ``mtp.layers.0.`` (a copy of the target's
+    full-attention layer), ``mtp.fc`` over [embedding | hidden], its two input norms and a norm."""
+    last = "model.language_model.layers.1."
+    tensors = {"mtp.layers.0." + k[len(last) :]: v.clone() for k, v in state.items() if k.startswith(last)}
+    return tensors | {
+        "mtp.fc.weight": torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) * INIT_STD,
+        # Qwen3.5's RMSNorm scales by (1 + weight): zeros are the identity scale.
+        "mtp.pre_fc_norm_embedding.weight": torch.zeros(HIDDEN),
+        "mtp.pre_fc_norm_hidden.weight": torch.zeros(HIDDEN),
+        "mtp.norm.weight": torch.zeros(HIDDEN),
+    }
+
+
+def _build(root: Path) -> None:
+    from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    target = root / "target"
+    torch.manual_seed(SEED)
+    config = Qwen3_5Config(
+        text_config=TEXT_CONFIG,
+        vision_config=VISION_CONFIG,
+        tie_word_embeddings=False,
+        # Media ids inside the vocabulary (text-only prompts never use them).
+        image_token_id=VOCAB - 4,
+        video_token_id=VOCAB - 3,
+        vision_start_token_id=VOCAB - 2,
+        vision_end_token_id=VOCAB - 1,
+    )
+    model = Qwen3_5ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:  # matrices only: norms keep their init
+                param.normal_(0.0, INIT_STD)
+    model.save_pretrained(str(target), safe_serialization=True)
+    saved = json.loads((target / "config.json").read_text())
+    saved["text_config"]["full_attention_interval"] = 2
+    (target / "config.json").write_text(json.dumps(saved, indent=1))
+    save_file(
+        _mtp_tensors(model.state_dict(), torch.Generator().manual_seed(SEED + 1)),
+        str(target / "mtp.safetensors"),
+    )
+    save_word_tokenizer(target, VOCAB)
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(),
+        tokenizer=AutoTokenizer.from_pretrained(target),
+        video_processor=Qwen3VLVideoProcessor(),
+    )
+    processor.save_pretrained(str(target))
+    # Hot ids over the whole vocabulary (both TP=2 halves), in a random ("frequency") order.
+    torch.save(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(SEED + 2))[:512].clone(),
+               target.parent / "map_hot.pt")  # fmt: skip
+    (root / "done").write_text("")
+
+
+def qwen3_5_target() -> str:
+    """Build (once, cached) the tiny Qwen3.5 checkpoint; its path."""
+    root = cache_root() / f"qwen3_5-{source_digest('qwen3_5_cpu', 'sglang_frspec.demo.fixtures')}"
+    return str(cached_build(root, _build, marker="done") / "target")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--nextn", action="store_true", help="NEXTN with the checkpoint's MTP layer")
+    parser.add_argument("--topk", type=int, default=2, help="NEXTN tree width (1: a chain)")
+    parser.add_argument("--map", action="store_true", help="NEXTN with a 512-id token map and the plugin")
+    parser.add_argument("--log-dir", type=Path, default=Path("."), help="where the server log goes")
+    parser.add_argument("extra", nargs="*", help="more server arguments (after --)")
+    args = parser.parse_args(argv)
+    target = qwen3_5_target()
+    expected = [reference_greedy(target, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    server_args = ["--model-path", target, "--tp-size", str(args.tp), *CPU_SERVER_ARGS, *SERVER_ARGS]
+    if args.nextn or args.map:
+        token_map = str(Path(target).parent / "map_hot.pt") if args.map else None
+        draft_tokens = 4 if args.topk > 1 else 3
+        server_args += eagle_args(
+            target, token_map, algorithm="NEXTN", topk=args.topk, draft_tokens=draft_tokens
+        )
+    speculative = f"-nextn-topk{args.topk}{'-map' if args.map else ''}" if args.nextn or args.map else ""
+    log = args.log_dir / f"qwen3_5-tp{args.tp}{speculative}.log"
+    server = SGLangServer(
+        [*server_args, *args.extra], cpu_env(args.tp, with_plugin=args.map) | SERVER_ENV, log
+    )
+    with server:
+        outs = server.generate(PROMPTS, NEW_TOKENS)
+        plugin = plugin_activity(server.log())
+    got = [o["output_ids"] for o in outs]
+    ties = compare_greedy(target, PROMPTS, got, expected)
+    print(f"SGLang greedy equals HF greedy: {len(PROMPTS)} x {NEW_TOKENS} tokens, {len(ties)} near-tie(s)")
+    if args.nextn or args.map:
+        meta = [o["meta_info"] for o in outs]
+        print("verify steps", [m.get("spec_verify_ct") for m in meta], "accept lengths",
+              [m.get("spec_accept_length") for m in meta])  # fmt: skip
+    if args.map:
+        assert plugin and plugin[0][1] == args.tp, f"the plugin's start-up line is missing: {plugin}"
+        print("plugin:", plugin[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
