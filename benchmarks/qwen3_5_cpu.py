@@ -20,8 +20,11 @@ folder a Qwen3-VL processor (SGLang's tokenizer manager loads one for this archi
 
 Server settings: ``--dtype float32`` (the config's top-level dtype is not the text model's: SGLang
 picked float16 without it), ``SGLANG_MAMBA_CONV_DTYPE=float32`` (SGLang keeps the conv state in
-bfloat16 by default, ``configs/mamba_utils.py:67``: decode then differs from HF's float32 at
-margins up to 0.008), ``--disable-radix-cache`` (the hybrid cache mode asserts a GPU),
+bfloat16 by default, ``configs/mamba_utils.py:67``: decode then left HF's greedy path, once at a
+top-2 margin of 0.008 and once outside HF's top two), ``--disable-radix-cache`` (the radix
+cache's default ``extra_buffer`` mode asserts a GPU-class platform,
+``arg_groups/mamba_hook.py:120``; ``--mamba-radix-cache-strategy no_buffer
+--disable-overlap-schedule`` instead served plain TP=1 equal to HF, prefix reuse not exercised),
 ``--max-mamba-cache-size 32`` (else 3 GB of ssm states).
 """
 
