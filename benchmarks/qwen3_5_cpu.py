@@ -1,7 +1,8 @@
 """A tiny random-weight Qwen3.5 target served by SGLang on CPU, greedy (plain, or NEXTN with its
-MTP layer, optionally with a token map and this plugin) against HF greedy (issue 35 item 2; not
-part of CI: one server start, about 110 s at TP=1 on a busy 2-core machine, plus about 45 s of HF
-forwards).
+MTP layer, optionally with a token map and this plugin) against HF greedy (issue 35 item 2). CI
+serves one setting of it (TP=2, NEXTN topk 2, map and plugin:
+``tests/test_architectures.py::test_qwen3_5_mtp_at_tp2_with_a_map_decodes_as_hf_greedy``, 26 s
+with the build on a quiet 2-core machine); this script runs any other by hand (about 35 s each).
 
     .venv/bin/python benchmarks/qwen3_5_cpu.py                     # plain greedy at TP=1 vs HF
     .venv/bin/python benchmarks/qwen3_5_cpu.py --nextn --topk 2      # NEXTN (its MTP layer) vs HF
@@ -157,6 +158,12 @@ def qwen3_5_target() -> str:
     return str(cached_build(root, _build, marker="done") / "target")
 
 
+def nextn_args(target: str, topk: int, with_map: bool) -> list[str]:
+    """NEXTN with the checkpoint's MTP layer (the draft path is the target's), optionally a map."""
+    token_map = str(Path(target).parent / "map_hot.pt") if with_map else None
+    return eagle_args(target, token_map, algorithm="NEXTN", topk=topk, draft_tokens=4 if topk > 1 else 3)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=1)
@@ -170,11 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     expected = [reference_greedy(target, prompt, NEW_TOKENS) for prompt in PROMPTS]
     server_args = ["--model-path", target, "--tp-size", str(args.tp), *CPU_SERVER_ARGS, *SERVER_ARGS]
     if args.nextn or args.map:
-        token_map = str(Path(target).parent / "map_hot.pt") if args.map else None
-        draft_tokens = 4 if args.topk > 1 else 3
-        server_args += eagle_args(
-            target, token_map, algorithm="NEXTN", topk=args.topk, draft_tokens=draft_tokens
-        )
+        server_args += nextn_args(target, args.topk, args.map)
     speculative = f"-nextn-topk{args.topk}{'-map' if args.map else ''}" if args.nextn or args.map else ""
     log = args.log_dir / f"qwen3_5-tp{args.tp}{speculative}.log"
     server = SGLangServer(

@@ -17,11 +17,15 @@ from pathlib import Path
 import pytest
 
 from sglang_frspec.demo.cpu import eagle_args
+from sglang_frspec.demo.fixtures import ModelFixture
 from tests.harness.greedy import compare_greedy, reference_greedy
 from tests.test_servers_plugin import assert_plugin_active, num_hot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
+from qwen3_5_cpu import SERVER_ARGS as QWEN3_5_ARGS  # noqa: E402
+from qwen3_5_cpu import SERVER_ENV as QWEN3_5_ENV  # noqa: E402
+from qwen3_5_cpu import nextn_args, qwen3_5_target  # noqa: E402
 
 pytestmark = pytest.mark.server
 NEW = 16
@@ -67,3 +71,18 @@ def decodes_as_greedy(name: str, start_server, topk: int) -> None:
     expected = [reference_greedy(fixture.target, prompt, NEW) for prompt in PROMPTS]
     compare_greedy(fixture.target, PROMPTS, [o["output_ids"] for o in outs], expected, HF_TIE_EPSILON)
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)  # the draft really ran
+
+
+def test_qwen3_5_mtp_at_tp2_with_a_map_decodes_as_hf_greedy(start_server):
+    """Qwen3.5 (gated-delta-net and gated-attention layers, vocab 4093, its own MTP layer as the
+    NEXTN draft; ``benchmarks/qwen3_5_cpu.py``) at TP=2 with a map and the plugin: the plugin's
+    line, HF's greedy tokens (tie-aware), the draft really ran (its post-verify state commits
+    included)."""
+    target = qwen3_5_target()
+    extra = (*QWEN3_5_ARGS, *nextn_args(target, topk=2, with_map=True))
+    server = start_server(ModelFixture(Path(target).parent), 2, eagle=False, extra=extra, env=QWEN3_5_ENV)
+    assert_plugin_active(server, 512, 2)
+    outs = server.generate(PROMPTS, NEW)
+    expected = [reference_greedy(target, prompt, NEW) for prompt in PROMPTS]
+    compare_greedy(target, PROMPTS, [o["output_ids"] for o in outs], expected, HF_TIE_EPSILON)
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
