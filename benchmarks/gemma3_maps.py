@@ -1,7 +1,7 @@
 """Token maps for a real model, Gemma 3 270M (262144 ids): from text and from the target's own outputs.
 
 Two sources, both through the real command line (``sglang-frspec build-map``):
-- ``text``: counts of the project's training text (``tests.harness.trained.stdlib_texts``: the
+- ``text``: counts of the project's training text (``sglang_frspec.demo.texts.stdlib_texts``: the
   training code files and the first half of the prose topics) with the target's tokenizer
   (``--corpus ... --save-counts``); the other sizes are ranked from those counts (``--from-counts``);
 - ``server``: ``--from-server`` against a plain TP=1 CPU SGLang server of the target (greedy), on
@@ -37,16 +37,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # tests.harness
-
-from sglang_frspec.core.plan import vocab_shard_ranges  # noqa: E402
-from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env  # noqa: E402
-from sglang_frspec.demo.server import SGLangServer  # noqa: E402
-from sglang_frspec.maps import TokenCounts, count_tokens  # noqa: E402
-from sglang_frspec.maps.sizing import DEFAULT_HEAD_SHARE  # noqa: E402
-from tests.harness.gemma3 import SERVER_ARGS, gemma3_fixture  # noqa: E402
-from tests.harness.trained import stdlib_texts  # noqa: E402
+from sglang_frspec.core.plan import vocab_shard_ranges
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env
+from sglang_frspec.demo.gemma3 import SERVER_ARGS, gemma3_fixture
+from sglang_frspec.demo.server import SGLangServer
+from sglang_frspec.demo.texts import stdlib_texts
+from sglang_frspec.maps import TokenCounts, count_tokens
+from sglang_frspec.maps.sizing import DEFAULT_HEAD_SHARE
 
 SIZES = (4096, 8192, 16384, 32768, 65536)
 SOURCES = ("text", "server")
@@ -121,12 +118,7 @@ class Cli:
 
     def __call__(self, *args: str) -> str:
         started = time.monotonic()
-        env = os.environ | {
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        }
-        done = subprocess.run(
-            [sys.executable, "-m", "sglang_frspec", *args], env=env, capture_output=True, text=True
-        )
+        done = subprocess.run([sys.executable, "-m", "sglang_frspec", *args], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{self.shown(list(args))} failed ({done.returncode}):\n{done.stderr}")
         self.commands.append((self.shown(list(args)), time.monotonic() - started))

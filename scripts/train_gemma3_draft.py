@@ -7,7 +7,7 @@ where, with file:line): Gemma's unscaled embedding table, its tied head and its 
 hidden states. The loss is over a 32768-id hot head (FR-Spec's map of the training text): the
 draft is only ever asked for those rows when served with the map.
 
-Data (every split from ``tests/harness/trained.py``'s ``stdlib_texts``): windows of the standard
+Data (every split from ``sglang_frspec/demo/texts.py``'s ``stdlib_texts``): windows of the standard
 library's training files and of the first half of ``pydoc_data.topics``, plus the target's own
 greedy continuations of prompts cut from those training texts. Held out for evaluation: windows of
 the held-out code files and the second half of the topics (where ``gemma3_fixture``'s prompts come
@@ -35,6 +35,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sglang_frspec.demo.gemma3 import gemma3_fixture  # noqa: E402
+from sglang_frspec.demo.texts import stdlib_texts  # noqa: E402
 from tests.harness.eagle_draft import (  # noqa: E402
     LayerShape,
     draft_hidden,
@@ -43,8 +45,6 @@ from tests.harness.eagle_draft import (  # noqa: E402
     init_draft,
     train,
 )
-from tests.harness.gemma3 import gemma3_fixture  # noqa: E402
-from tests.harness.trained import stdlib_texts  # noqa: E402
 
 OUT = REPO / "sglang_frspec" / "demo" / "gemma3_draft"
 VOCAB, HOT = 262144, 32768
@@ -280,7 +280,7 @@ def main() -> None:
         "script": "scripts/train_gemma3_draft.py",
         "git_commit": commit.strip(),
         "args": {k: str(v) for k, v in vars(args).items()},
-        "target": "Gemma 3 270M (tests/harness/gemma3.py, float32)",
+        "target": "Gemma 3 270M (sglang_frspec/demo/gemma3.py, float32)",
         "draft": {"class": "LlamaForCausalLMEagle"} | DRAFT | {"hidden": cfg["hidden_size"]},
         "parameters": sum(v.numel() for v in draft.values()),
         "hot_head": HOT,
@@ -326,9 +326,9 @@ def serve(args: argparse.Namespace) -> None:
     with the plugin (chain and small tree) and stock SGLang at TP=1, all with the 32768-id map."""
     from types import SimpleNamespace
 
+    from sglang_frspec.demo.gemma3 import NEW_TOKENS, SERVER_ARGS
     from sglang_frspec.demo.server import new_python
     from tests.conftest import fixture_server
-    from tests.harness.gemma3 import NEW_TOKENS, SERVER_ARGS
 
     fixture = gemma3_fixture()
     args.work.mkdir(parents=True, exist_ok=True)

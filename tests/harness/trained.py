@@ -18,11 +18,9 @@ Built here:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +35,7 @@ from sglang_frspec.demo.fixtures import (
     save_model,
     source_digest,
 )
+from sglang_frspec.demo.texts import stdlib_texts, text_digest
 from tests.harness.eagle_draft import (
     LayerShape,
     draft_loss,
@@ -58,10 +57,11 @@ EVAL_TOKENS = 32768  # held-out tokens the losses are measured on
 # 384 tokens of held-out prompts), so acceptance changes below ~256 ids: the sizes span that range.
 MAP_SIZES = (32, 128, 512, 2048)
 PROSE_MAP_SIZE = 128
-HELD_OUT_EVERY = 8  # code file i is held out when i % 8 == 7
 PROMPT_TOKENS = 32  # prompts are this many tokens of held-out text
 
-BUILDER_DIGEST = source_digest(__name__, "tests.harness.eagle_draft", "sglang_frspec.demo.fixtures")
+BUILDER_DIGEST = source_digest(
+    __name__, "tests.harness.eagle_draft", "sglang_frspec.demo.fixtures", "sglang_frspec.demo.texts"
+)
 
 
 @dataclass(frozen=True)
@@ -82,28 +82,6 @@ class TrainedFixture(ModelFixture):
     def prompts(self, domain: str) -> list[list[int]]:
         """Held-out prompts (token ids) of ``domain``: ``code`` or ``prose``."""
         return json.loads((self.root / "prompts.json").read_text())[domain]
-
-
-def stdlib_texts() -> tuple[list[str], list[str], list[str], list[str]]:
-    """(training code, held-out code, prose for maps, held-out prose), in a fixed order."""
-    import pydoc_data.topics
-
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    code = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    train = [t for i, t in enumerate(code) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
-    held_out = [t for i, t in enumerate(code) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
-    topics = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
-    half = len(topics) // 2
-    return train, held_out, topics[:half], topics[half:]
-
-
-def _text_digest(*groups: list[str]) -> str:
-    digest = hashlib.sha256()
-    for group in groups:
-        for text in group:
-            digest.update(hashlib.sha256(text.encode()).digest())
-        digest.update(b"|")
-    return digest.hexdigest()[:12]
 
 
 def _train_tokenizer(texts: list[str]):
@@ -303,7 +281,7 @@ def trained_fixture() -> TrainedFixture:
     """Build (once, cached by text and builder hash) and return the trained fixture."""
     texts = stdlib_texts()
     root = cached_build(
-        cache_root() / f"trained-{BUILDER_DIGEST}-{_text_digest(*texts)}",
+        cache_root() / f"trained-{BUILDER_DIGEST}-{text_digest(*texts)}",
         lambda path: _build(path, texts),
         marker="report.json",
     )

