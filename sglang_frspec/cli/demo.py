@@ -2,30 +2,43 @@
 
 Runs up to three servers one after another on the same model: plain greedy decoding (the
 reference), stock EAGLE without a map (what TP users run today, since a map crashes), and
-EAGLE + token map with this plugin. Prints each run's outputs, whether they equal plain greedy
-decoding, the accept length and tokens/s.
+EAGLE + token map with this plugin. Prints a few prompts and the text each run generates, whether
+each run's outputs equal plain greedy decoding, the accept length and tokens/s.
+
+The default model is Gemma 3 270M (262144-id vocab), a real pretrained model built once from the
+package index into the cache (``sglang_frspec/demo/gemma3.py``), with the EAGLE draft trained for it
+and a 32768-id map of the standard library's text; its plain greedy outputs are also checked
+against Transformers' float32 greedy decoding. ``--fixture perm`` runs a tiny model with a
+Llama-3-size vocab whose drafts are always accepted instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
-from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture
-from sglang_frspec.demo.server import SGLangServer
+from sglang_frspec.demo.server import SGLangServer, plugin_activity
 
-TEXT_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Speculative decoding speeds up inference by",
-    "Once upon a time,",
-]
+SHOWN_PROMPTS = 4  # prompts whose text the demo prints
+
+
+@dataclass
+class Workload:
+    """What the servers are asked, and what plain greedy decoding must give (when known)."""
+
+    prompts: list[dict]  # /generate payload pieces: {"text": ...} or {"input_ids": ...}
+    expected: list[list[int]] | None = None
+    expected_name: str = ""
+    server_args: tuple[str, ...] = ()
+    tokenizer: str | None = None  # decodes ids for display when the servers skip their tokenizer
 
 
 def add_parser(subparsers) -> None:
@@ -38,30 +51,82 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     p.add_argument("--device", default="cpu", help="cpu (default, runs anywhere) or cuda")
     p.add_argument(
-        "--model-path",
-        help="target model (default: a tiny built-in fixture with a Llama-3-size vocab, 128256)",
+        "--fixture",
+        choices=("gemma3", "perm"),
+        default="gemma3",
+        help="built-in model when --model-path is not given: gemma3 (default; Gemma 3 270M, a real "
+        "pretrained model, with its trained EAGLE draft) or perm (a tiny random model with a "
+        "Llama-3-size vocab whose greedy output follows a permutation and whose drafts are all accepted)",
     )
+    p.add_argument("--model-path", help="target model (instead of the built-in fixture)")
     p.add_argument("--draft-model-path", help="EAGLE draft model (with --model-path)")
     p.add_argument("--token-map", help="token-map file (with --model-path)")
+    p.add_argument(
+        "--map-size",
+        type=int,
+        default=32768,
+        help="gemma3 fixture: which of its maps of the training text (4096 ... 65536 ids; default 32768)",
+    )
     p.add_argument("--requests", type=int, default=8, help="concurrent requests per timed batch")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=48,
+        help="tokens per request (default 48; on CPU Gemma 3 stays exact while prompt + output < 512 "
+        "tokens: the CPU attention stand-in has no sliding window)",
+    )
     p.add_argument("--steps", type=int, default=2, help="--speculative-num-steps")
     p.add_argument("--topk", type=int, default=2, help="--speculative-eagle-topk")
     p.add_argument("--draft-tokens", type=int, default=4, help="--speculative-num-draft-tokens")
     p.add_argument("--skip-stock", action="store_true", help="do not run stock EAGLE (no map)")
     p.add_argument("--server-args", default="", help="extra launch_server arguments (quoted)")
     p.add_argument("--log-dir", help="keep server logs here (default: a temporary folder)")
+    p.add_argument("--json", metavar="FILE", help="also write every run's outputs and figures here")
     p.set_defaults(func=run)
 
 
-def _prompts(args, fixture) -> tuple[list[dict], list[list[int]] | None]:
-    """Request prompts, and for the fixture the outputs greedy decoding must give (the pi chain)."""
-    if fixture is None:
-        return [{"text": TEXT_PROMPTS[i % len(TEXT_PROMPTS)]} for i in range(args.requests)], None
+def _gemma3_workload(args) -> Workload:
+    from sglang_frspec.demo.gemma3 import MAP_SIZES, SERVER_ARGS, gemma3_fixture
+
+    if args.map_size not in MAP_SIZES:
+        raise SystemExit(f"demo: the gemma3 fixture has maps of {list(MAP_SIZES)} ids, not {args.map_size}")
+    print("building/using Gemma 3 270M (262144-id vocab; built once from the package index) ...")
+    fixture = gemma3_fixture()
+    args.model_path, args.draft_model_path = fixture.target, fixture.draft
+    args.token_map = fixture.token_map(args.map_size)
+    picks = [i % len(fixture.prompts) for i in range(args.requests)]
+    n = args.max_new_tokens
+    expected = [fixture.reference[i][:n] for i in picks] if n <= len(fixture.reference[0]) else None
+    return Workload(
+        [{"input_ids": fixture.prompts[i]} for i in picks],
+        expected,
+        "Transformers' float32 greedy decoding",
+        SERVER_ARGS,
+        fixture.target,
+    )
+
+
+def _perm_workload(args) -> Workload:
+    from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture
+
+    print(f"building/using the tiny permutation fixture (V={LLAMA3_VOCAB}, greedy x -> pi(x)) ...")
+    fixture = perm_fixture(vocab_size=LLAMA3_VOCAB, num_hot=32768)
+    args.model_path, args.draft_model_path = fixture.target, fixture.draft
+    args.token_map = fixture.token_map("hot")
     starts = [i * 7 for i in range(args.requests)]
     prompts = [{"input_ids": list(fixture.chain[s : s + 3])} for s in starts]
     expected = [list(fixture.chain[s + 3 : s + 3 + args.max_new_tokens]) for s in starts]
-    return prompts, expected
+    return Workload(prompts, expected, "the fixture's pi chain")
+
+
+def _workload(args) -> Workload:
+    if args.model_path is None:
+        return _gemma3_workload(args) if args.fixture == "gemma3" else _perm_workload(args)
+    if not (args.draft_model_path and args.token_map):
+        raise SystemExit("demo: --model-path needs --draft-model-path and --token-map")
+    from sglang_frspec.demo.gemma3 import DEMO_PROMPTS
+
+    return Workload([{"text": DEMO_PROMPTS[i % len(DEMO_PROMPTS)]} for i in range(args.requests)])
 
 
 def _timed_batch(server: SGLangServer, prompts: list[dict], max_new_tokens: int) -> dict:
@@ -75,7 +140,7 @@ def _timed_batch(server: SGLangServer, prompts: list[dict], max_new_tokens: int)
     accept = [a for a in accept if a is not None]
     return {
         "outputs": [o["output_ids"] for o in outs],
-        "text": outs[0].get("text", ""),
+        "texts": [o.get("text") for o in outs],
         "tokens_per_s": sum(len(o["output_ids"]) for o in outs) / seconds,
         "accept_length": sum(accept) / len(accept) if accept else None,
     }
@@ -98,34 +163,50 @@ def _env(args, plugin: bool) -> dict:
     return dict(os.environ, SGLANG_PLUGINS="frspec" if plugin else "none")
 
 
+def _show_texts(work: Workload, results: dict) -> None:
+    """The first prompts and each run's continuation (the runs that equal the reference once)."""
+    decode = None
+    if work.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        decode = AutoTokenizer.from_pretrained(work.tokenizer).decode
+    names = list(results)
+    for i, prompt in enumerate(work.prompts[:SHOWN_PROMPTS]):
+        text = prompt.get("text") or (decode(prompt["input_ids"], skip_special_tokens=True) if decode else "")
+        print(f"\nprompt {i + 1}: {text!r}")
+        for name in names:
+            out = results[name]["outputs"][i]
+            same = name != names[0] and out == results[names[0]]["outputs"][i]
+            body = results[name]["texts"][i] or (decode(out) if decode else str(out[:16]))
+            print(f"  {name:<28} {'(same as plain greedy)' if same else repr(body)}")
+
+
 def run(args: argparse.Namespace) -> int:
-    fixture = None
-    if args.model_path is None:
-        print(f"building/using the built-in fixture (V={LLAMA3_VOCAB}, greedy x -> pi(x)) ...")
-        fixture = perm_fixture(vocab_size=LLAMA3_VOCAB, num_hot=32768)
-        args.model_path, args.draft_model_path = fixture.target, fixture.draft
-        args.token_map = fixture.token_map("hot")
-    elif not (args.draft_model_path and args.token_map):
-        print("demo: --model-path needs --draft-model-path and --token-map", file=sys.stderr)
+    try:
+        work = _workload(args)
+    except SystemExit as e:
+        print(e, file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sglang-frspec-demo-"))
     base = ["--model-path", args.model_path, "--tp-size", str(args.tp)]
     base += CPU_SERVER_ARGS if args.device == "cpu" else ["--device", args.device]
-    base += shlex.split(args.server_args)
-    prompts, expected = _prompts(args, fixture)
+    base += [*work.server_args, *shlex.split(args.server_args)]
     runs = _runs(args)
     results = {}
     for i, (name, extra, plugin) in enumerate(runs, start=1):
         print(f"[{i}/{len(runs)}] {name}: starting a TP={args.tp} server ...", flush=True)
-        with SGLangServer(base + extra, _env(args, plugin), log_dir / f"server{i}.log") as server:
-            results[name] = _timed_batch(server, prompts, args.max_new_tokens)
+        log_path = log_dir / f"server{i}.log"
+        with SGLangServer(base + extra, _env(args, plugin), log_path) as server:
+            results[name] = _timed_batch(server, work.prompts, args.max_new_tokens)
+            results[name]["plugin"] = plugin_activity(server.log())
     reference = results[runs[0][0]]
-    print(f"\nmodel {args.model_path}\ntoken map {args.token_map}\nserver logs {log_dir}")
-    print(f"first output: {reference['outputs'][0][:10]} ... {reference['text'][:60]!r}")
+    print(f"\nmodel {args.model_path}\ndraft {args.draft_model_path}\ntoken map {args.token_map}")
+    print(f"server logs {log_dir}")
+    _show_texts(work, results)
     ok = True
-    if expected is not None:
-        ok = reference["outputs"] == expected
-        print(f"plain greedy follows the fixture's pi chain: {'yes' if ok else 'NO'}")
+    if work.expected is not None:
+        ok = reference["outputs"] == work.expected
+        print(f"\nplain greedy equals {work.expected_name}: {'yes' if ok else 'NO'}")
     print(f"\n{'run':<30} {'matches greedy':>14} {'accept len':>10} {'tokens/s':>9}")
     for name, result in results.items():
         same = result["outputs"] == reference["outputs"]
@@ -134,4 +215,7 @@ def run(args: argparse.Namespace) -> int:
         tps = result["tokens_per_s"]
         print(f"{name:<30} {'yes' if same else 'NO':>14} {accept:>10} {tps:>9.1f}")
     print("\nall outputs equal plain greedy decoding" if ok else "\nMISMATCH: see above")
+    if args.json:
+        payload = {"prompts": work.prompts, "expected": work.expected, "runs": results}
+        Path(args.json).write_text(json.dumps(payload, indent=1))
     return 0 if ok else 1
