@@ -13,6 +13,22 @@ import pytest
 from sglang_frspec.demo.server import kill_tree
 from tests.harness.zygote import fork_module, zygote_for
 
+# A launcher whose multiprocessing children are forked (fork_children): it runs an OpenMP parallel
+# torch op, then a child runs one too.
+OPENMP_LAUNCHER = """
+import multiprocessing, sys, torch
+def parallel_op():
+    return float(torch.ones(1 << 22).mul(2.0).sum())  # far above torch's grain: a parallel region
+parallel_op()
+child = multiprocessing.Process(target=parallel_op)
+child.start()
+child.join(60)
+print("threads", torch.get_num_threads(), "child exit", child.exitcode, flush=True)
+if child.exitcode is None:
+    child.kill()
+sys.exit(0 if child.exitcode == 0 else 1)
+"""
+
 CHILD = """
 import json, os, sys, time
 import preloaded_marker
@@ -137,3 +153,18 @@ def test_fork_children_starts_multiprocessing_children_by_fork_despite_spawn(zyg
     assert child.wait(timeout=120) == 0, log.read_text()
     report = _report(log)
     assert report == {"method": "fork" if fork_children else "spawn", "inherited": fork_children}
+
+
+def test_forked_children_of_a_launcher_that_ran_openmp_do_not_hang(tmp_path):
+    """GNU OpenMP is not fork-safe: without the launcher's single-thread setting the child waits
+    forever in its first parallel region (joined for 60 s here, then the launcher exits 1)."""
+    import torch
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one CPU thread: no OpenMP pool to inherit")
+    (tmp_path / "openmp_launcher.py").write_text(OPENMP_LAUNCHER)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    log = tmp_path / "openmp.log"
+    child = fork_module(env, (), "openmp_launcher", [], log, fork_children=True)
+    assert child.wait(timeout=120) == 0, log.read_text()[-2000:]
+    assert "threads 1 child exit 0" in log.read_text()  # the launcher single-threaded, its child done

@@ -244,10 +244,21 @@ def _fork_multiprocessing_children() -> None:
     launcher's imports and run the same code. What a fork inherits and a spawn would redo is the
     plugin's registration, done by ``load_plugins`` in the launcher (idempotent: the scheduler's
     own call finds it done); the real spawn path, with schedulers that load the plugin themselves,
-    is what the CPU demo (``test_cli.py::test_demo_main_job``) and the benchmarks that launch a new
-    Python (``SGLangServer``'s default launch) run."""
+    is what the CPU demo (``test_cli.py::test_demo_on_the_permutation_fixture``) and the
+    benchmarks that launch a new Python (``SGLangServer``'s default launch) run."""
     multiprocessing.set_start_method("fork", force=True)
     multiprocessing.set_start_method = lambda method=None, force=False: None
+    # GNU OpenMP (torch's CPU intra-op threads) is not fork-safe: a child forked after its parent ran
+    # a parallel region on more than one thread waits forever, at its first parallel region, for the
+    # parent's pool threads, which the child does not have. Seen: a Gemma 3 scheduler stuck in
+    # libgomp under RotaryEmbedding's einsum at 'Load weight begin', after the launcher's plugin
+    # checks had run a parallel op. So the launcher runs torch on one thread (no pool to inherit)
+    # and each forked child gets the zygote's thread count back, as a spawned one would have it.
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    os.register_at_fork(after_in_child=lambda: torch.set_num_threads(threads))
 
 
 if __name__ == "__main__":
