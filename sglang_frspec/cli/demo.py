@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
-from sglang_frspec.demo.server import SGLangServer, plugin_activity
+from sglang_frspec.demo.server import Launch, SGLangServer, new_python, plugin_activity
 
 SHOWN_PROMPTS = 4  # prompts whose text the demo prints
 
@@ -131,7 +131,7 @@ def _workload(args) -> Workload:
 
 def _timed_batch(server: SGLangServer, prompts: list[dict], max_new_tokens: int) -> dict:
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-    server.post("/generate", prompts[0] | {"sampling_params": params})  # warm-up
+    server.post("/generate", prompts[0] | {"sampling_params": params | {"max_new_tokens": 4}})  # warm-up
     batch = {key: [p[key] for p in prompts] for key in prompts[0]}
     start = time.perf_counter()
     outs = server.post("/generate", batch | {"sampling_params": params})
@@ -181,7 +181,8 @@ def _show_texts(work: Workload, results: dict) -> None:
             print(f"  {name:<28} {'(same as plain greedy)' if same else repr(body)}")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, launch: Launch = new_python) -> int:
+    """The demo; ``launch`` starts each server's launcher (a new Python, as a user's would be)."""
     try:
         work = _workload(args)
     except SystemExit as e:
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     for i, (name, extra, plugin) in enumerate(runs, start=1):
         print(f"[{i}/{len(runs)}] {name}: starting a TP={args.tp} server ...", flush=True)
         log_path = log_dir / f"server{i}.log"
-        with SGLangServer(base + extra, _env(args, plugin), log_path) as server:
+        with SGLangServer(base + extra, _env(args, plugin), log_path, launch=launch) as server:
             results[name] = _timed_batch(server, work.prompts, args.max_new_tokens)
             results[name]["plugin"] = plugin_activity(server.log())
     reference = results[runs[0][0]]
