@@ -16,6 +16,16 @@ plain decoding, and whether the outputs equal plain greedy decoding at that TP (
 difference is allowed only at a top-2 near-tie of the target, see tests.harness.greedy).
     python benchmarks/bench_acceptance.py --json docs/results/acceptance.json --plot docs/acceptance.png
 
+``--fixture gemma3`` runs the same on a real pretrained model: Gemma 3 270M (262144 ids,
+``sglang_frspec.demo.gemma3``) with its shipped EAGLE draft and its maps of the training text
+(4096 ... 65536 ids), on prompts cut from held-out code and prose with its tokenizer. A TP=2 server
+of it holds about 7.5 GB, so ``--one-reference`` keeps only EAGLE without a map alive as the
+reference (plain decoding's ratios are then chained through it), and ``--stock-tp1`` makes the
+TP=1 servers stock SGLang (no plugin), whose accept lengths the TP=2 plugin's must equal:
+    python benchmarks/bench_acceptance.py --fixture gemma3 --stock-tp1 --one-reference --alive 1 \
+        --layouts balanced/topk --layout-map 8192 32768 --prompts 8 --max-new-tokens 32 \
+        --json docs/results/acceptance-gemma3-cpu.json --plot docs/acceptance-gemma3.png
+
 ``--sampling`` measures accept length under sampling instead (no timing): EAGLE without a map and
 with ``--sampling-map``, each with SGLang's target-only verify and with rejection sampling
 (``--speculative-use-rejection-sampling``), one server each, at each of ``--temperatures``
@@ -29,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -39,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
 from common import fixture_map, summarize  # noqa: E402
 
+from sglang_frspec.demo import gemma3  # noqa: E402
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
 from sglang_frspec.demo.server import SGLangServer  # noqa: E402
 from tests.harness.greedy import compare_greedy  # noqa: E402
@@ -64,14 +76,39 @@ class Config:
     samples: dict = field(default_factory=lambda: {d: [] for d in DOMAINS})
 
 
+# Per fixture: its maps by default, the map of the layout/exchange rows, the prefix of the maps
+# plotted against their size.
+FIXTURE_MAPS = {
+    "trained": (
+        [f"code_{n}" for n in MAP_SIZES] + [f"prose_{PROSE_MAP_SIZE}"],
+        f"code_{MAP_SIZES[1]}",
+        "code_",
+    ),
+    "gemma3": ([str(n) for n in gemma3.MAP_SIZES], "32768", ""),
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fixture", choices=tuple(FIXTURE_MAPS), default="trained")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    maps = [f"code_{n}" for n in MAP_SIZES] + [f"prose_{PROSE_MAP_SIZE}"]
     p.add_argument(
-        "--maps", nargs="+", default=maps, help=f"fixture maps or map files to compare (default {maps})"
+        "--maps",
+        nargs="+",
+        help="fixture maps or map files to compare (default: every size of the fixture's maps; "
+        f"trained: {FIXTURE_MAPS['trained'][0]}, gemma3: {FIXTURE_MAPS['gemma3'][0]})",
     )
-    p.add_argument("--layout-map", default=f"code_{MAP_SIZES[1]}", help="map for the layout/exchange rows")
+    p.add_argument(
+        "--layout-map", nargs="+", help="maps of the layout/exchange rows (trained: code_128, gemma3: 32768)"
+    )
+    p.add_argument("--stock-tp1", action="store_true", help="TP=1 servers without the plugin (stock SGLang)")
+    p.add_argument(
+        "--one-reference",
+        action="store_true",
+        help="keep only EAGLE without a map alive as the reference (plain decoding then runs in a group "
+        "of its own and its ratios are chained through that reference): for models whose servers do "
+        "not fit three at a time",
+    )
     p.add_argument(
         "--layouts",
         nargs="*",
@@ -90,26 +127,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", help="write accept length and speed against map size here (.png)")
     p.add_argument("--sampling", action="store_true", help="accept length under sampling (see above)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7, 1.0])
-    p.add_argument("--sampling-map", default=f"code_{MAP_SIZES[1]}", help="the map of --sampling")
-    return p.parse_args(argv)
+    p.add_argument("--sampling-map", help="the map of --sampling (default: the --layout-map default)")
+    args = p.parse_args(argv)
+    maps, layout_map, _ = FIXTURE_MAPS[args.fixture]
+    args.maps = args.maps or maps
+    args.layout_map = args.layout_map or [layout_map]
+    args.sampling_map = args.sampling_map or layout_map
+    return args
 
 
 def configs_for(tp: int, args: argparse.Namespace) -> list[Config]:
     configs = [Config(PLAIN, tp, eagle=False), Config(NO_MAP, tp)]
     configs += [Config(f"map {Path(m).stem}", tp, token_map=m) for m in args.maps]
     if tp > 1:
-        for pair in args.layouts:
-            layout, exchange = pair.split("/")
-            configs.append(
-                Config(
-                    f"map {Path(args.layout_map).stem} {pair}", tp, True, args.layout_map, layout, exchange
-                )
-            )
+        for token_map in args.layout_map:
+            for pair in args.layouts:
+                layout, exchange = pair.split("/")
+                name = f"map {Path(token_map).stem} {pair}"
+                configs.append(Config(name, tp, True, token_map, layout, exchange))
     return configs
 
 
 def start(config: Config, fixture, args, log_dir: Path) -> SGLangServer:
     cli = ["--model-path", fixture.target, "--tp-size", str(config.tp), *CPU_SERVER_ARGS]
+    cli += gemma3.SERVER_ARGS if isinstance(fixture, gemma3.Gemma3Fixture) else ()
     if config.eagle:
         token_map = fixture_map(fixture, config.token_map) if config.token_map else None
         cli += eagle_args(
@@ -117,7 +158,8 @@ def start(config: Config, fixture, args, log_dir: Path) -> SGLangServer:
         )
     cli += config.extra
     options = {"SGLANG_FRSPEC_LAYOUT": config.layout, "SGLANG_FRSPEC_EXCHANGE": config.exchange}
-    env = cpu_env(config.tp, with_plugin=True, base=os.environ | options)
+    plugin = config.tp > 1 or not args.stock_tp1
+    env = cpu_env(config.tp, with_plugin=plugin, base=os.environ | options)
     name = f"tp{config.tp}-{config.name.replace(' ', '_').replace('/', '-')}.log"
     print(f"starting tp={config.tp} {config.name} ...", flush=True)
     server = SGLangServer(cli, env, log_dir / name, launch=forked_launch).start().wait_ready()
@@ -166,7 +208,8 @@ def greedy_match(target: str, prompts: list, got: list, expected: list) -> str:
 
 def run_tp(tp: int, fixture, args, log_dir: Path, prompts: dict) -> list[Config]:
     configs = configs_for(tp, args)
-    references, others = configs[:2], configs[2:]
+    references = configs[1:2] if args.one_reference else configs[:2]  # [PLAIN, NO_MAP, maps...]
+    others = [c for c in configs if all(c is not r for r in references)]
     servers = {c.name: start(c, fixture, args, log_dir) for c in references}
     try:
         for i in range(0, len(others), args.alive):
@@ -202,13 +245,24 @@ def group_ratio(samples: list[dict], ref_samples: list[dict]) -> float:
     return summarize(ratios)["median"]
 
 
+def vs_reference(samples: list[dict], ref_samples: list[dict], no_map_samples: list[dict]) -> float:
+    """``group_ratio`` where the reference ran in every group of ``samples``; else chained through
+    EAGLE without a map, which runs in every group."""
+    if {s["group"] for s in samples} <= {r["group"] for r in ref_samples}:
+        return group_ratio(samples, ref_samples)
+    return group_ratio(samples, no_map_samples) / group_ratio(ref_samples, no_map_samples)
+
+
 def summarize_tp(configs: list[Config], fixture, prompts: dict) -> list[dict]:
     by_name = {c.name: c for c in configs}
     rows = []
     for config in configs:
         for domain in DOMAINS:
             samples = config.samples[domain]
-            ratios = {ref: group_ratio(samples, by_name[ref].samples[domain]) for ref in (PLAIN, NO_MAP)}
+            no_map = by_name[NO_MAP].samples[domain]
+            ratios = {
+                ref: vs_reference(samples, by_name[ref].samples[domain], no_map) for ref in (PLAIN, NO_MAP)
+            }
             plain = by_name[PLAIN].samples[domain][0]["outputs"]
             rows.append(
                 {
@@ -274,7 +328,13 @@ def print_sampling(rows: list[dict], temperatures: list[float]) -> None:
         print(line + " ".join(f"{cells[c]:>12.2f}" for c in columns))
 
 
-def plot(rows: list[dict], path: str) -> None:
+def map_size(token_map: str | None, prefix: str) -> int | None:
+    """The size in a map's name (``code_128`` with prefix ``code_``, ``32768`` with none)."""
+    match = re.fullmatch(rf"{prefix}(\d+)", Path(token_map).stem) if token_map else None
+    return int(match.group(1)) if match else None
+
+
+def plot(rows: list[dict], path: str, prefix: str) -> None:
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(10, 4))
@@ -282,9 +342,9 @@ def plot(rows: list[dict], path: str) -> None:
     for tp in sorted({r["tp"] for r in rows}):
         for domain, style in zip(DOMAINS, ("-o", "--s")):
             points = sorted(
-                (int(r["map"].split("_")[1]), r)
+                (map_size(r["map"], prefix), r)
                 for r in rows
-                if r["tp"] == tp and r["domain"] == domain and r["map"] and r["map"].startswith("code_")
+                if r["tp"] == tp and r["domain"] == domain and map_size(r["map"], prefix)
                 and r["layout"] == "balanced/full"
             )  # fmt: skip
             sizes = [s for s, _ in points]
@@ -297,7 +357,7 @@ def plot(rows: list[dict], path: str) -> None:
             accept_axes.axhline(no_map["accept_length"], color="grey", linewidth=0.5)
     for axes, ylabel in ((accept_axes, "accept length"), (speed_axes, "tokens/s vs EAGLE without a map")):
         axes.set_xscale("log", base=2)
-        axes.set_xlabel("map size (hot ids, from the training code)")
+        axes.set_xlabel("map size (hot ids of the training text)")
         axes.set_ylabel(ylabel)
         axes.grid(True, alpha=0.3)
     accept_axes.legend(fontsize=8)
@@ -306,11 +366,58 @@ def plot(rows: list[dict], path: str) -> None:
     figure.savefig(path, dpi=120)
 
 
+def gemma3_prompts(target: str, count: int) -> dict[str, list[list[int]]]:
+    """``count`` prompts per domain, as the trained fixture's: windows of its held-out code and
+    prose every 97 tokens, BOS + 39 ids each (Gemma 3's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from sglang_frspec.demo.texts import stdlib_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    _, held_code, _, held_prose = stdlib_texts()
+    prompts = {}
+    for domain, texts in zip(DOMAINS, (held_code, held_prose)):
+        stream = tokenizer("\n\n".join(texts), add_special_tokens=False).input_ids
+        body = gemma3.PROMPT_TOKENS - 1
+        prompts[domain] = [[tokenizer.bos_token_id, *stream[i : i + body]] for i in range(0, 97 * count, 97)]
+    return prompts
+
+
+def fixture_line(fixture, report: dict) -> str:
+    if isinstance(fixture, gemma3.Gemma3Fixture):
+        return (
+            f"Gemma 3 270M: vocab {gemma3.VOCAB}, float32, perplexity {report['perplexity']:.1f} on held-out "
+            f"prose; its shipped EAGLE draft ({fixture.draft})"
+        )
+    return (
+        f"trained fixture: vocab {report['vocab']}, target held-out loss {report['target_held_out_loss']:.2f}"
+        f" nats (unigram {report['unigram_held_out_loss']:.2f})"
+    )
+
+
+def accept_lengths_across_tp(rows: list[dict]) -> list[str]:
+    """Rows whose accept length differs from the same map's (any layout and exchange) and domain at
+    the smallest TP."""
+    first = min(r["tp"] for r in rows)
+    base = {(r["map"] or r["config"], r["domain"]): r["accept_length"] for r in rows if r["tp"] == first}
+    return [
+        f"tp={r['tp']} {r['config']} {r['domain']}: {r['accept_length']:.4f} vs {base[key]:.4f}"
+        for r in rows
+        if r["tp"] != first
+        and (key := (r["map"] or r["config"], r["domain"])) in base
+        and r["accept_length"] != base[key]
+    ]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    fixture = trained_fixture()
+    if args.fixture == "gemma3":
+        fixture = gemma3.gemma3_fixture()
+        prompts = gemma3_prompts(fixture.target, args.prompts)
+    else:
+        fixture = trained_fixture()
+        prompts = {d: fixture.prompts(d)[: args.prompts] for d in DOMAINS}
     report = fixture.report
-    prompts = {d: fixture.prompts(d)[: args.prompts] for d in DOMAINS}
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sglang-frspec-acceptance-"))
     if args.sampling:
         rows = [r for tp in args.tp for r in sampling_rows(tp, fixture, args, log_dir, prompts)]
@@ -325,16 +432,12 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for tp in args.tp:
         rows += summarize_tp(run_tp(tp, fixture, args, log_dir, prompts), fixture, prompts)
-    fixture_line = (
-        f"trained fixture: vocab {report['vocab']}, target held-out loss {report['target_held_out_loss']:.2f}"
-        f" nats (unigram {report['unigram_held_out_loss']:.2f})"
-    )
     spec_line = (
         f"EAGLE steps={args.steps} topk={args.topk} draft tokens={args.draft_tokens} (max accept length "
         f"{args.steps + 1}); {args.prompts} prompts x {args.max_new_tokens} tokens per domain, "
         f"{args.rounds} interleaved rounds; logs {log_dir}"
     )
-    print(f"\n{fixture_line}\n{spec_line}")
+    print(f"\n{fixture_line(fixture, report)}\n{spec_line}")
     header = f"{'tp':>2} {'config':<34} {'domain':<6} {'accept':>6} {'tokens/s':>9} {'vs no map':>9} "
     print(header + f"{'(rounds)':>11} {'vs plain':>8} {'= greedy':>9}")
     for r in rows:
@@ -344,12 +447,19 @@ def main(argv=None) -> int:
             f"{r['tokens_per_s']:>9.1f} {r['vs_no_map']:>8.2f}x {spread:>11} {r['vs_plain']:>7.2f}x "
             f"{r['equals_plain_greedy']:>9}"
         )
+    if len(args.tp) > 1:
+        differ = accept_lengths_across_tp(rows)
+        print(
+            f"accept lengths equal TP={min(args.tp)}'s for every map and domain: {'NO' if differ else 'yes'}"
+        )
+        for line in differ:
+            print(f"  {line}")
     if args.json:
         Path(args.json).write_text(
             json.dumps({"args": vars(args), "fixture": report, "results": rows}, indent=1)
         )
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, FIXTURE_MAPS[args.fixture][2])
     return 0 if all(r["equals_plain_greedy"] != "NO" and r["same_accept_every_round"] for r in rows) else 1
 
 

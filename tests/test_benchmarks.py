@@ -81,8 +81,10 @@ def test_bench_head_gemm_smoke(tmp_path):
 
 @pytest.mark.server
 def test_bench_acceptance_smoke(tmp_path):
+    # --one-reference (as Gemma 3's run): plain decoding runs in a group of its own, its ratios
+    # chained through EAGLE without a map.
     out = run("bench_acceptance.py", "--tp", "1", "--maps", "code_512", "--layouts", "--prompts", "2",
-              "--max-new-tokens", "8", "--rounds", "1", "--json", str(tmp_path / "a.json"),
+              "--max-new-tokens", "8", "--rounds", "1", "--one-reference", "--json", str(tmp_path / "a.json"),
               "--plot", str(tmp_path / "a.png"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((tmp_path / "a.json").read_text())["results"]
@@ -95,6 +97,11 @@ def test_bench_acceptance_smoke(tmp_path):
     assert all(r["accept_length"] == 1.0 for r in rows if r["config"] == "plain greedy")
     assert all(1.0 < r["accept_length"] <= 4.0 for r in rows if r["config"] != "plain greedy")
     assert (tmp_path / "a.png").stat().st_size > 10_000
+    by_config = {(r["config"], r["domain"]): r for r in rows}
+    for domain in ("code", "prose"):
+        plain, with_map = by_config["plain greedy", domain], by_config["map code_512", domain]
+        assert plain["vs_plain"] == 1.0
+        assert with_map["vs_plain"] == with_map["vs_no_map"] / plain["vs_no_map"]
 
     # The size model against those figures: counts served on the same prompts, every map modelled.
     out = run("validate_size_model.py", "--acceptance", str(tmp_path / "a.json"), "--prompt-sets", "timed",
