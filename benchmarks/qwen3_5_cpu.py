@@ -92,12 +92,28 @@ SERVER_ARGS = [
     "32",
 ]
 SERVER_ENV = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
+# Qwen3-Next: the same linear and full-attention layers, every layer's MLP a sparse MoE block (as
+# in the released config, decoder_sparse_step 1) with a shared expert; tiny and text-only.
+NEXT_CONFIG = {
+    key: value
+    for key, value in TEXT_CONFIG.items()
+    if key not in ("rope_parameters", "mtp_num_hidden_layers", "intermediate_size")
+} | {
+    "intermediate_size": 2 * HIDDEN,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+}
 
 
-def _mtp_tensors(state: dict, gen: torch.Generator) -> dict:
-    """Qwen3.5's MTP block under its released names: ``mtp.layers.0.`` (a copy of the target's
-    full-attention layer), ``mtp.fc`` over [embedding | hidden], its two input norms and a norm."""
-    last = "model.language_model.layers.1."
+def _mtp_tensors(state: dict, gen: torch.Generator, last: str = "model.language_model.layers.1.") -> dict:
+    """The MTP block under its released names (Qwen3.5 and Qwen3-Next alike): ``mtp.layers.0.`` (a
+    copy of the target's full-attention layer ``last``), ``mtp.fc`` over [embedding | hidden], its
+    two input norms and a norm."""
     tensors = {"mtp.layers.0." + k[len(last) :]: v.clone() for k, v in state.items() if k.startswith(last)}
     return tensors | {
         "mtp.fc.weight": torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) * INIT_STD,
@@ -152,6 +168,41 @@ def _build(root: Path) -> None:
     (root / "done").write_text("")
 
 
+def _build_next(root: Path) -> None:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    target = root / "target"
+    torch.manual_seed(SEED)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**NEXT_CONFIG)).float().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:  # matrices only: norms keep their init
+                param.normal_(0.0, INIT_STD)
+    model.save_pretrained(str(target), safe_serialization=True)
+    saved = json.loads((target / "config.json").read_text())
+    saved["full_attention_interval"] = 2  # SGLang's layer typing reads it (configs/qwen3_next.py:264)
+    (target / "config.json").write_text(json.dumps(saved, indent=1))
+    from safetensors.torch import load_file
+
+    # The saved state, not model.state_dict(): Transformers writes experts under the released
+    # per-expert names SGLang loads.
+    state = {}
+    for shard in target.glob("model*.safetensors"):
+        state |= load_file(str(shard))
+    save_file(_mtp_tensors(state, torch.Generator().manual_seed(SEED + 1), "model.layers.1."),
+              str(target / "mtp.safetensors"))  # fmt: skip
+    save_word_tokenizer(target, VOCAB)
+    torch.save(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(SEED + 2))[:512].clone(),
+               target.parent / "map_hot.pt")  # fmt: skip
+    (root / "done").write_text("")
+
+
+def qwen3_next_target() -> str:
+    """Build (once, cached) the tiny Qwen3-Next checkpoint; its path."""
+    root = cache_root() / f"qwen3_next-{source_digest('qwen3_5_cpu', 'sglang_frspec.demo.fixtures')}"
+    return str(cached_build(root, _build_next, marker="done") / "target")
+
+
 def qwen3_5_target() -> str:
     """Build (once, cached) the tiny Qwen3.5 checkpoint; its path."""
     root = cache_root() / f"qwen3_5-{source_digest('qwen3_5_cpu', 'sglang_frspec.demo.fixtures')}"
@@ -166,6 +217,7 @@ def nextn_args(target: str, topk: int, with_map: bool) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=("qwen3_5", "qwen3_next"), default="qwen3_5")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--nextn", action="store_true", help="NEXTN with the checkpoint's MTP layer")
     parser.add_argument("--topk", type=int, default=2, help="NEXTN tree width (1: a chain)")
@@ -173,13 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", type=Path, default=Path("."), help="where the server log goes")
     parser.add_argument("extra", nargs="*", help="more server arguments (after --)")
     args = parser.parse_args(argv)
-    target = qwen3_5_target()
+    target = qwen3_5_target() if args.family == "qwen3_5" else qwen3_next_target()
     expected = [reference_greedy(target, prompt, NEW_TOKENS) for prompt in PROMPTS]
     server_args = ["--model-path", target, "--tp-size", str(args.tp), *CPU_SERVER_ARGS, *SERVER_ARGS]
     if args.nextn or args.map:
         server_args += nextn_args(target, args.topk, args.map)
     speculative = f"-nextn-topk{args.topk}{'-map' if args.map else ''}" if args.nextn or args.map else ""
-    log = args.log_dir / f"qwen3_5-tp{args.tp}{speculative}.log"
+    log = args.log_dir / f"{args.family}-tp{args.tp}{speculative}.log"
     server = SGLangServer(
         [*server_args, *args.extra], cpu_env(args.tp, with_plugin=args.map) | SERVER_ENV, log
     )

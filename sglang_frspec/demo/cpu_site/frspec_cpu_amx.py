@@ -60,9 +60,19 @@ def register() -> None:
         _logged(op, "linear_attention"),
         HookType.REPLACE,
     )
+    # Qwen3-Next's MoE shared-expert gate launches Triton on CPU (models/qwen2_moe.py:877).
+    op = "_launch_fused_gate_sigmoid_mul"
+    HookRegistry.register(
+        f"sglang.kernels.ops.elementwise.elementwise.{op}",
+        _logged("fused_gate_sigmoid_mul", "linear_attention"),
+        HookType.REPLACE,
+    )
     # The gated norm's AMX branch (layernorm_gated.py:517-527): norm before a swish gate, no
     # groups (SGLang asserts that there), on the stand-in's op.
     importlib.import_module("sglang.kernels.ops.attention.fla.layernorm_gated")._use_cpu = True
+    # Qwen3-Next's GDN output norm is fla's FusedRMSNormGated (models/qwen3_next.py:244), whose CPU
+    # branch (fused_norm_gate.py:20,451) is the same op: silu gate after an RMS norm.
+    importlib.import_module("sglang.kernels.ops.attention.fla.fused_norm_gate")._use_cpu = True
     # Ops that are None on CPU: set, not a REPLACE hook, which would rebind every module global
     # that is the original object (every None in the process) to the replacement.
     eagle_utils = importlib.import_module(VERIFY.rstrip("."))
@@ -72,3 +82,10 @@ def register() -> None:
         # DeepSeek's set_embed_and_head (sglang/srt/models/deepseek_v2.py:3448, run when a NextN
         # draft takes the target's head) synchronizes CUDA unconditionally: nothing to wait for here.
         torch.cuda.synchronize = lambda device=None: None
+        # A CUDA build reports CUDA as the accelerator without a driver, so get_device_module()
+        # is torch.cuda, and Qwen3-Next's GDN norm asks it for the device
+        # (models/qwen3_next.py:236,252): with no device given, the CPU module answers.
+        get_device_module = torch.get_device_module
+        torch.get_device_module = lambda device=None: get_device_module(
+            device if device is not None else "cpu"
+        )

@@ -351,6 +351,25 @@ def fused_rmsnorm_gated_cpu(input: torch.Tensor, weight: torch.Tensor, gate: tor
     return (normed * F.silu(gate.float())).to(input.dtype)
 
 
+def fused_gate_sigmoid_mul(
+    hidden_states: torch.Tensor,
+    gate_weight: torch.Tensor,
+    shared_output: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    do_add: bool,
+) -> None:
+    """Qwen3-Next's (Qwen2-MoE's) gated shared expert, SGLang's
+    ``kernels/ops/elementwise/elementwise.py`` ``_launch_fused_gate_sigmoid_mul`` (a Triton launch
+    with no CPU branch, called at ``models/qwen2_moe.py:877``): output = sigmoid(hidden . gate)
+    * shared, plus output when ``do_add``; float32 math, written into ``output``."""
+    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float()).unsqueeze(-1)
+    result = gate * shared_output.float()
+    if do_add:
+        result += output.float()
+    output.copy_(result)
+
+
 # ---------------------------------------------------------------------------- post-verify commit
 
 
