@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
 from qwen3_5_cpu import SERVER_ARGS as QWEN3_5_ARGS  # noqa: E402
 from qwen3_5_cpu import SERVER_ENV as QWEN3_5_ENV  # noqa: E402
-from qwen3_5_cpu import nextn_args, qwen3_5_target  # noqa: E402
+from qwen3_5_cpu import nextn_args, qwen3_5_target, qwen3_next_target  # noqa: E402
 
 pytestmark = pytest.mark.server
 NEW = 16
@@ -78,7 +78,18 @@ def test_qwen3_5_mtp_at_tp2_with_a_map_decodes_as_hf_greedy(start_server):
     NEXTN draft; ``benchmarks/qwen3_5_cpu.py``) at TP=2 with a map and the plugin: the plugin's
     line, HF's greedy tokens (tie-aware), the draft really ran (its post-verify state commits
     included)."""
-    target = qwen3_5_target()
+    _qwen3_mtp_decodes_as_hf_greedy(qwen3_5_target(), start_server)
+
+
+def test_qwen3_next_mtp_at_tp2_with_a_map_decodes_as_hf_greedy(start_server):
+    """Qwen3-Next (gated-delta-net and gated-attention layers, every MLP a sparse MoE block with a
+    gated shared expert, vocab 4093, its own MTP layer as the NEXTN draft; ``benchmarks/qwen3_5_cpu.py
+    --family qwen3_next``) at TP=2 with a map and the plugin, as Qwen3.5 above."""
+    _qwen3_mtp_decodes_as_hf_greedy(qwen3_next_target(), start_server)
+
+
+def _qwen3_mtp_decodes_as_hf_greedy(target: str, start_server) -> None:
+    """NEXTN topk 2 + the 512-id map + the plugin at TP=2 with the qwen3_5_cpu server settings."""
     extra = (*QWEN3_5_ARGS, *nextn_args(target, topk=2, with_map=True))
     server = start_server(ModelFixture(Path(target).parent), 2, eagle=False, extra=extra, env=QWEN3_5_ENV)
     assert_plugin_active(server, 512, 2)
