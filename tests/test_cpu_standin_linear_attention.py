@@ -48,11 +48,14 @@ from sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent import (
 from sglang.kernels.ops.attention.triton_gdn_fused_proj import (
     fused_qkvzba_split_reshape_cat_contiguous,
 )
-from sglang.kernels.ops.attention.fla import layernorm_gated
+from sglang.kernels.ops.attention.fla import fused_norm_gate, layernorm_gated
+from sglang.kernels.ops.elementwise import elementwise
 from sglang.kernels.ops.mamba import mamba_state_scatter_triton as scatter
 # Launch geometry only: the SM count and the PDL check ask CUDA.
 layernorm_gated._get_sm_count = lambda device: 1
 layernorm_gated.is_arch_support_pdl = lambda: False
+fused_norm_gate.is_arch_support_pdl = lambda: False
+elementwise.is_arch_support_pdl = lambda: False
 # The two scatter wrappers refuse non-CUDA tensors before launching; the interpreter runs on CPU
 # tensors, so re-define each without that one check (everything else as SGLang has it).
 for name in ("fused_mamba_state_scatter_with_mask", "fused_conv_window_scatter_with_mask"):
@@ -68,7 +71,13 @@ def scatter_after_verify(temporal, intermediate_ssm, conv, windows, *indices):
 kernels = {"conv_fn": causal_conv1d_fn, "conv_update": causal_conv1d_update,
            "gating": fused_gdn_gating, "recurrent": fused_sigmoid_gating_delta_rule_update,
            "split": fused_qkvzba_split_reshape_cat_contiguous,
-           "gated_norm": layernorm_gated.rms_norm_gated, "scatter": scatter_after_verify}
+           "gated_norm": layernorm_gated.rms_norm_gated, "scatter": scatter_after_verify,
+           # fla's kernel writes its result over x (fused_norm_gate.py:223, y = x); the CPU branch
+           # returns a new tensor (fused_norm_gate.py:451-455), and Qwen3-Next uses only the
+           # return (qwen3_next.py:500): compare the results, x left out.
+           "fused_norm_gate": lambda x, g, weight, eps: fused_norm_gate.rms_norm_gated(
+               x.clone(), g, weight, None, "silu", eps=eps),
+           "shared_gate": elementwise._launch_fused_gate_sigmoid_mul}
 cases = torch.load(sys.argv[1])
 for case in cases.values():
     case["out"] = kernels[case["kernel"]](*case["args"], **case["kwargs"])
@@ -210,6 +219,32 @@ def _gated_norm_case(dtype: torch.dtype) -> dict:
     }
 
 
+def _fused_norm_gate_case() -> dict:
+    """Qwen3-Next's GDN output norm, fla's FusedRMSNormGated (silu gate after an RMS norm), which
+    the CPU-test plugin sends to the same stand-in op: 7 rows of 12 (the kernel masks its block)."""
+    g = _gen(29)
+    rows, width = 7, 12
+    x, gate = torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g) * 3
+    return {
+        "kernel": "fused_norm_gate",
+        "args": (x, gate, torch.randn(width, generator=g), 1e-6),
+        "kwargs": {},
+    }
+
+
+def _shared_gate_case(do_add: bool) -> dict:
+    """Qwen3-Next's MoE shared-expert gate over 5 tokens of width 12: sigmoid(h . w) * shared
+    (+ the routed experts' output already in ``output``), written into ``output``."""
+    g = _gen(31 + do_add)
+    tokens, width = 5, 12
+    args = tuple(torch.randn(*shape, generator=g) for shape in ((tokens, width), (width,), (tokens, width)))
+    return {
+        "kernel": "shared_gate",
+        "args": (*args, torch.randn(tokens, width, generator=g)),
+        "kwargs": {"do_add": do_add},
+    }
+
+
 def _scatter_case(with_src_rows: bool) -> dict:
     """The post-verify commit over 2 layers: ssm states (HV, V, K) and two conv types whose per-step
     windows overlap in one shared buffer (SGLang's deduplicated layout); 3 requests, one rejected
@@ -243,6 +278,9 @@ CASES = {
     "split": _split_case(),
     "gated_norm_f32": _gated_norm_case(torch.float32),
     "gated_norm_bf16": _gated_norm_case(torch.bfloat16),
+    "fused_norm_gate": _fused_norm_gate_case(),
+    "shared_gate": _shared_gate_case(do_add=False),
+    "shared_gate_add": _shared_gate_case(do_add=True),
     "scatter": _scatter_case(with_src_rows=False),
     "scatter_src_rows": _scatter_case(with_src_rows=True),
     "conv_fn": _conv_fn_case(),
@@ -274,6 +312,8 @@ def _run_standin(name: str) -> dict:
         "recurrent": ops.fused_sigmoid_gating_delta_rule_update_cpu,
         "split": ops.fused_qkvzba_split_reshape_cat_contiguous_cpu,
         "gated_norm": _gated_norm,
+        "fused_norm_gate": lambda x, g, weight, eps: ops.fused_rmsnorm_gated_cpu(x, weight, g, eps),
+        "shared_gate": ops.fused_gate_sigmoid_mul,
         "scatter": _scatter_after_verify,
     }[case["kernel"]]
     return {"args": args, "kwargs": kwargs, "out": op(*args, **kwargs)}
