@@ -14,6 +14,9 @@ the gated RMSNorm of the GDN output (``layernorm_gated.py:35`` decides ``_use_cp
 CPU, so it launches Triton at ``layernorm_gated.py:529``) takes SGLang's AMX branch, which calls the
 stand-in's ``fused_rmsnorm_gated_cpu``; the post-verify state commit, whose Triton kernels refuse
 CPU tensors (``mamba_state_scatter_triton.py:343,507``), is the stand-in's torch version.
+Qwen3-Next adds three: fla's ``FusedRMSNormGated`` takes its AMX branch (the same op), the MoE
+shared-expert gate's Triton launch is the stand-in's, and ``torch.get_device_module()`` answers the
+CPU module when there is no CUDA.
 """
 
 import importlib
@@ -84,7 +87,7 @@ def register() -> None:
         torch.cuda.synchronize = lambda device=None: None
         # A CUDA build reports CUDA as the accelerator without a driver, so get_device_module()
         # is torch.cuda, and Qwen3-Next's GDN norm asks it for the device
-        # (models/qwen3_next.py:236,252): with no device given, the CPU module answers.
+        # (models/qwen3_next.py:235,252): with no device given, the CPU module answers.
         get_device_module = torch.get_device_module
         torch.get_device_module = lambda device=None: get_device_module(
             device if device is not None else "cpu"
