@@ -519,3 +519,50 @@ def test_scatter_commits_the_accepted_steps(name):
         expected[:, 1] = source[:, rows[2], 3]  # request 2 tracked: slot 1, step 3
         torch.testing.assert_close(after, expected, atol=0, rtol=0)
         assert not torch.equal(after, before)
+
+
+PLUGIN_CHILD = """
+import frspec_cpu_amx, torch
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+frspec_cpu_amx.register()
+HookRegistry.apply_hooks()  # as SGLang's load_plugins does after the plugins ran
+from sglang.kernels.ops.attention.fla.fused_norm_gate import FusedRMSNormGated
+from sglang.kernels.ops.elementwise.elementwise import fused_gate_sigmoid_mul_add
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+g = torch.Generator().manual_seed(0)
+# As Qwen3-Next's GDN layer builds it (models/qwen3_next.py:244-254).
+device = torch.get_device_module().current_device()
+norm = FusedRMSNormGated(12, eps=1e-6, activation="silu", device=device, dtype=torch.float32)
+hf = Qwen3NextRMSNormGated(12, eps=1e-6)
+with torch.no_grad():
+    norm.weight.copy_(torch.randn(12, generator=g))
+    hf.weight.copy_(norm.weight)
+x, z = torch.randn(7, 12, generator=g), torch.randn(7, 12, generator=g) * 3
+torch.testing.assert_close(norm(x.clone(), z), hf(x, z), atol=1e-5, rtol=1e-5)
+h, w, s, out = (torch.randn(*shape, generator=g) for shape in ((5, 12), (12,), (5, 12), (5, 12)))
+expected = torch.sigmoid(h @ w)[:, None] * s + out
+fused_gate_sigmoid_mul_add(h, w, s, out)  # as Qwen2MoeSparseMoeBlock calls it (qwen2_moe.py:877)
+torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+print("device", device)
+"""
+
+
+def test_cpu_plugin_runs_qwen3_next_paths_on_cpu():
+    """With the CPU-test plugin registered (in a child: its hooks are process-wide), Qwen3-Next's
+    paths that launch Triton on a CPU without AMX run on CPU: fla's FusedRMSNormGated, built as
+    Qwen3-Next builds it, equals Transformers' Qwen3NextRMSNormGated, and SGLang's shared-expert
+    gate equals sigmoid(h . w) * shared + out."""
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(CPU_SITE), os.environ.get("PYTHONPATH")]))
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", PLUGIN_CHILD], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "device cpu" in run.stdout
