@@ -27,6 +27,18 @@ cache's default ``extra_buffer`` mode asserts a GPU-class platform,
 ``arg_groups/mamba_hook.py:120``; ``--mamba-radix-cache-strategy no_buffer
 --disable-overlap-schedule`` instead served plain TP=1 equal to HF, prefix reuse not exercised),
 ``--max-mamba-cache-size 32`` (else 3 GB of ssm states).
+
+``--family qwen3_next``: a tiny ``Qwen3NextForCausalLM`` (issue 35's last family) with the same
+two layers and vocabulary, every MLP a sparse MoE block as in the released config (4 experts, top
+2, a gated shared expert), text-only (no processor needed), its MTP layer (a copy of the
+full-attention MoE layer) appended under the same ``mtp.*`` names that
+``Qwen3NextForCausalLMMTP`` loads. Same server settings. CI:
+``tests/test_architectures.py::test_qwen3_next_mtp_at_tp2_with_a_map_decodes_as_hf_greedy`` (13-17 s with the
+build, 2 cores, another job running).
+On CPU it needs three more CPU-test plugin patches (``frspec_cpu_amx.py``: fla's gated norm, the
+shared-expert gate, ``get_device_module``).
+
+    .venv/bin/python benchmarks/qwen3_5_cpu.py --family qwen3_next --tp 2 --map --topk 1
 """
 
 from __future__ import annotations
