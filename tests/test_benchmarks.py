@@ -101,7 +101,9 @@ def test_bench_acceptance_smoke(tmp_path):
     for domain in ("code", "prose"):
         plain, with_map = by_config["plain greedy", domain], by_config["map code_512", domain]
         assert plain["vs_plain"] == 1.0
-        assert with_map["vs_plain"] == with_map["vs_no_map"] / plain["vs_no_map"]
+        # Equal up to float rounding: where plain decoding shares the map's group, the script takes
+        # their ratio directly, not through EAGLE without a map.
+        assert with_map["vs_plain"] == pytest.approx(with_map["vs_no_map"] / plain["vs_no_map"], rel=1e-12)
 
     # The size model against those figures: counts served on the same prompts, every map modelled.
     out = run("validate_size_model.py", "--acceptance", str(tmp_path / "a.json"), "--prompt-sets", "timed",
