@@ -136,6 +136,22 @@ def _mtp_tensors(state: dict, gen: torch.Generator, last: str = "model.language_
     }
 
 
+def _save_random_weights(model: torch.nn.Module, target: Path) -> dict:
+    """Give the model's matrices random weights (norms keep their init), save it; its saved config."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, INIT_STD)
+    model.save_pretrained(str(target), safe_serialization=True)
+    return json.loads((target / "config.json").read_text())
+
+
+def _save_hot_map(folder: Path) -> None:
+    """512 hot ids over the whole vocabulary (both TP=2 halves), in a random ("frequency") order."""
+    torch.save(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(SEED + 2))[:512].clone(),
+               folder / "map_hot.pt")  # fmt: skip
+
+
 def _build(root: Path) -> None:
     from transformers import AutoTokenizer, Qwen3_5Config, Qwen3_5ForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
@@ -155,12 +171,7 @@ def _build(root: Path) -> None:
         vision_end_token_id=VOCAB - 1,
     )
     model = Qwen3_5ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:  # matrices only: norms keep their init
-                param.normal_(0.0, INIT_STD)
-    model.save_pretrained(str(target), safe_serialization=True)
-    saved = json.loads((target / "config.json").read_text())
+    saved = _save_random_weights(model, target)
     saved["text_config"]["full_attention_interval"] = 2
     (target / "config.json").write_text(json.dumps(saved, indent=1))
     save_file(
@@ -174,9 +185,7 @@ def _build(root: Path) -> None:
         video_processor=Qwen3VLVideoProcessor(),
     )
     processor.save_pretrained(str(target))
-    # Hot ids over the whole vocabulary (both TP=2 halves), in a random ("frequency") order.
-    torch.save(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(SEED + 2))[:512].clone(),
-               target.parent / "map_hot.pt")  # fmt: skip
+    _save_hot_map(target.parent)
     (root / "done").write_text("")
 
 
@@ -186,12 +195,7 @@ def _build_next(root: Path) -> None:
     target = root / "target"
     torch.manual_seed(SEED)
     model = Qwen3NextForCausalLM(Qwen3NextConfig(**NEXT_CONFIG)).float().eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:  # matrices only: norms keep their init
-                param.normal_(0.0, INIT_STD)
-    model.save_pretrained(str(target), safe_serialization=True)
-    saved = json.loads((target / "config.json").read_text())
+    saved = _save_random_weights(model, target)
     saved["full_attention_interval"] = 2  # SGLang's layer typing reads it (configs/qwen3_next.py:264)
     (target / "config.json").write_text(json.dumps(saved, indent=1))
     from safetensors.torch import load_file
@@ -204,8 +208,7 @@ def _build_next(root: Path) -> None:
     save_file(_mtp_tensors(state, torch.Generator().manual_seed(SEED + 1), "model.layers.1."),
               str(target / "mtp.safetensors"))  # fmt: skip
     save_word_tokenizer(target, VOCAB)
-    torch.save(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(SEED + 2))[:512].clone(),
-               target.parent / "map_hot.pt")  # fmt: skip
+    _save_hot_map(target.parent)
     (root / "done").write_text("")
 
 
