@@ -39,12 +39,21 @@ On CPU it needs three more CPU-test plugin patches (``frspec_cpu_amx.py``: fla's
 shared-expert gate, ``get_device_module``).
 
     .venv/bin/python benchmarks/qwen3_5_cpu.py --family qwen3_next --tp 2 --map --topk 1
+
+``modelopt_target``: the checkpoint as a ModelOpt export (``MODELOPT_CONFIGS``: an
+``hf_quant_config.json`` beside the same weights), the seed report's shape of checkpoint, served in
+bfloat16 (ModelOpt's configs refuse float32). There SGLang's greedy leaves HF's float32 greedy at
+near-ties, so it is compared with SGLang's plain greedy instead: in CI
+``tests/test_architectures.py::test_qwen3_5_modelopt_checkpoint_at_tp2_with_a_map_decodes_as_plain_greedy``,
+by hand ``benchmarks/sweep_architectures.py --only qwen3_5_mtp_modelopt_nvfp4 qwen3_next_mtp_modelopt_fp8``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -119,6 +128,26 @@ NEXT_CONFIG = {
     "shared_expert_intermediate_size": 64,
     "decoder_sparse_step": 1,
     "norm_topk_prob": True,
+}
+# hf_quant_config.json of a ModelOpt checkpoint of this family, shaped as NVIDIA publishes them for
+# Qwen3.5 / Qwen3-Next (the seed report's shape): NVFP4 or FP8 experts and MLPs, everything else
+# in exclude_modules, the LM head and the MTP layer included. SGLang's ModelOpt methods need CUDA
+# kernels, so the CPU fixture also excludes the MLPs (the last pattern): every layer then loads
+# unquantized, while SGLang still reads the config, builds each layer through its
+# get_quant_method and serves the head through UnquantizedLinearMethod.
+MODELOPT_EXCLUDED = [
+    "lm_head",
+    "mtp*",
+    "model.visual*",
+    "*linear_attn*",
+    "*self_attn*",
+    "*mlp.gate",
+    "*shared_expert_gate",
+    "*mlp*",  # CPU only: NVIDIA's checkpoints quantize these
+]
+MODELOPT_CONFIGS = {
+    "nvfp4": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None},
+    "fp8": {"quant_algo": "FP8", "kv_cache_quant_algo": None},
 }
 
 
@@ -222,6 +251,22 @@ def qwen3_5_target() -> str:
     """Build (once, cached) the tiny Qwen3.5 checkpoint; its path."""
     root = cache_root() / f"qwen3_5-{source_digest('qwen3_5_cpu', 'sglang_frspec.demo.fixtures')}"
     return str(cached_build(root, _build, marker="done") / "target")
+
+
+def modelopt_target(target: str, algo: str) -> str:
+    """``target`` as a ModelOpt ``algo`` checkpoint (MODELOPT_CONFIGS), in a fixture folder of its
+    own beside the original (weights and map hard-linked; cached); its target folder."""
+    source = Path(target)
+
+    def build(root: Path) -> None:
+        shutil.copytree(source, root / "target", copy_function=os.link)
+        os.link(source.parent / "map_hot.pt", root / "map_hot.pt")
+        quantization = MODELOPT_CONFIGS[algo] | {"exclude_modules": MODELOPT_EXCLUDED}
+        config = {"producer": {"name": "modelopt", "version": "0.37.0"}, "quantization": quantization}
+        (root / "target" / "hf_quant_config.json").write_text(json.dumps(config, indent=1))
+
+    root = source.parent.with_name(f"{source.parent.name}-modelopt-{algo}")
+    return str(cached_build(root, build, marker="map_hot.pt") / "target")
 
 
 def nextn_args(target: str, topk: int, with_map: bool) -> list[str]:

@@ -1,6 +1,8 @@
 """Serve every tiny architecture of ``architectures.py`` at TP=2 on CPU: plain greedy, then EAGLE
 (or NEXTN) + token map + this plugin; outputs compared tie-aware, accept length and the
-plugin's line recorded, or the error that stopped a server.
+plugin's line recorded, or the error that stopped a server. The hybrid gated-delta-net MTP
+families of ``qwen3_5_cpu.py`` (Qwen3.5, Qwen3-Next, each also as a ModelOpt checkpoint) are
+swept the same way with their own server settings (NEXTN topk 1 with their MTP layer).
 
     .venv/bin/python benchmarks/sweep_architectures.py --out docs/results/architecture-sweep-cpu
     .venv/bin/python benchmarks/sweep_architectures.py --only gemma3_softcap qwen2
@@ -16,12 +18,17 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
 
 from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
+from qwen3_5_cpu import SERVER_ARGS as HYBRID_ARGS  # noqa: E402
+from qwen3_5_cpu import SERVER_ENV as HYBRID_ENV  # noqa: E402
+from qwen3_5_cpu import modelopt_target, nextn_args, qwen3_5_target, qwen3_next_target  # noqa: E402
 
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
 from sglang_frspec.demo.server import ServerError, SGLangServer, plugin_activity  # noqa: E402
@@ -34,11 +41,55 @@ PROMPTS = [[5, 77, 1203], [4000, 17], [9, 9, 9, 9, 2500]]
 _ERROR_LINE = re.compile(r"^\s*(?:\w+\.)*\w*(?:Error|Exception|NotImplemented\w*)\b.*$", re.M)
 
 
-def serve(fixture, log_path: Path, speculative: list[str] | None, extra: tuple[str, ...]) -> SGLangServer:
-    """A CPU TP=2 server of the fixture's target; ``speculative`` adds the draft (and map)."""
-    args = ["--model-path", fixture.target, "--tp-size", str(TP), *CPU_SERVER_ARGS, *extra]
-    args += speculative or []
-    return SGLangServer(args, cpu_env(TP), log_path, launch=forked_launch)
+@dataclass(frozen=True)
+class Hybrid:
+    """A hybrid gated-delta-net MTP family of ``qwen3_5_cpu.py``."""
+
+    target_class: str
+    build: Callable[[], str]  # builds (cached) the checkpoint; its folder
+    modelopt: str | None = None  # served as this ModelOpt checkpoint (qwen3_5_cpu.MODELOPT_CONFIGS)
+
+
+HYBRIDS = {
+    "qwen3_5_mtp": Hybrid("Qwen3_5ForConditionalGeneration", qwen3_5_target),
+    "qwen3_next_mtp": Hybrid("Qwen3NextForCausalLM", qwen3_next_target),
+    "qwen3_5_mtp_modelopt_nvfp4": Hybrid("Qwen3_5ForConditionalGeneration", qwen3_5_target, "nvfp4"),
+    "qwen3_next_mtp_modelopt_fp8": Hybrid("Qwen3NextForCausalLM", qwen3_next_target, "fp8"),
+}
+SWEPT = [*ARCHITECTURES, *HYBRIDS]
+
+
+@dataclass(frozen=True)
+class Case:
+    """What one row serves: the target, arguments and environment of both servers, the draft's."""
+
+    target: str
+    extra_args: tuple[str, ...]
+    speculative: list[str]
+    env: dict[str, str]
+
+
+def architecture_case(name: str) -> Case:
+    arch = ARCHITECTURES[name]
+    fixture = architecture_fixture(name)
+    speculative = eagle_args(fixture.draft, fixture.token_map("hot"), algorithm=arch.algorithm)
+    return Case(fixture.target, arch.extra_args, speculative, {})
+
+
+def hybrid_case(name: str) -> Case:
+    hybrid = HYBRIDS[name]
+    target, extra = hybrid.build(), tuple(HYBRID_ARGS)
+    if hybrid.modelopt:
+        target = modelopt_target(target, hybrid.modelopt)
+        extra += ("--dtype", "bfloat16")  # ModelOpt's configs accept bfloat16 and float16 only
+    return Case(target, extra, nextn_args(target, topk=1, with_map=True), HYBRID_ENV)
+
+
+def serve(case: Case, log_path: Path, speculative: bool) -> SGLangServer:
+    """A CPU TP=2 server of the case's target; ``speculative`` adds the draft (and map)."""
+    args = ["--model-path", case.target, "--tp-size", str(TP), *CPU_SERVER_ARGS, *case.extra_args]
+    args += case.speculative if speculative else []
+    return SGLangServer(args, cpu_env(TP) | case.env, log_path, launch=forked_launch)
 
 
 # SGLang's warm-up thread logs these when it polls a server that is not listening yet: not the failure.
@@ -51,10 +102,10 @@ def first_error(log: str) -> str:
     return (lines[0] if lines else log.strip().splitlines()[-1]).strip()[:400]
 
 
-def run_server(fixture, log_path: Path, speculative: list[str] | None, extra: tuple[str, ...]) -> dict:
+def run_server(case: Case, log_path: Path, speculative: bool) -> dict:
     """Outputs and accept lengths of one server, or the error that stopped it."""
     start = time.monotonic()
-    server = serve(fixture, log_path, speculative, extra)
+    server = serve(case, log_path, speculative)
     try:
         with server:
             outs = server.generate(PROMPTS, NEW_TOKENS)
@@ -85,25 +136,29 @@ def agrees_with_hf(target: str, outputs: list[list[int]]) -> str:
 
 def sweep_one(name: str, log_dir: Path) -> dict:
     """Plain greedy and the speculative server for architecture ``name``, compared."""
-    arch = ARCHITECTURES[name]
-    row = {"name": name, "target": arch.config["architectures"][0], "head": arch.head,
-           "draft": arch.draft, "algorithm": arch.algorithm}  # fmt: skip
+    if name in HYBRIDS:
+        hybrid = HYBRIDS[name]
+        row = {"name": name, "target": hybrid.target_class, "algorithm": "NEXTN", "draft": "its MTP layer",
+               "head": "own ParallelLMHead; the MTP draft's lm_head takes the target's"}  # fmt: skip
+    else:
+        arch = ARCHITECTURES[name]
+        row = {"name": name, "target": arch.config["architectures"][0], "head": arch.head,
+               "draft": arch.draft, "algorithm": arch.algorithm}  # fmt: skip
     try:
-        fixture = architecture_fixture(name)
+        case = hybrid_case(name) if name in HYBRIDS else architecture_case(name)
     except Exception as e:  # noqa: BLE001 - a builder failing is a result of the sweep, not its end
         return row | {"status": "build failed", "error": f"{type(e).__name__}: {e}"[:400]}
-    plain = run_server(fixture, log_dir / f"{name}-plain.log", None, arch.extra_args)
+    plain = run_server(case, log_dir / f"{name}-plain.log", speculative=False)
     row["plain"] = plain
     if "error" in plain:
         return row | {"status": "plain server failed", "error": plain["error"]}
-    row["plain_equals_hf"] = agrees_with_hf(fixture.target, plain["output_ids"])
-    speculative = eagle_args(fixture.draft, fixture.token_map("hot"), algorithm=arch.algorithm)
-    spec = run_server(fixture, log_dir / f"{name}-plugin.log", speculative, arch.extra_args)
+    row["plain_equals_hf"] = agrees_with_hf(case.target, plain["output_ids"])
+    spec = run_server(case, log_dir / f"{name}-plugin.log", speculative=True)
     row["plugin_server"] = spec
     if "error" in spec:
         return row | {"status": "plugin server failed", "error": spec["error"]}
     try:
-        ties = compare_greedy(fixture.target, PROMPTS, spec["output_ids"], plain["output_ids"])
+        ties = compare_greedy(case.target, PROMPTS, spec["output_ids"], plain["output_ids"])
     except AssertionError as e:
         return row | {"status": "outputs differ", "error": str(e)[:400]}
     row["ties"] = [f"sequence {d.sequence} token {d.position} margin {d.margin:.2g}" for d in ties]
@@ -113,8 +168,8 @@ def sweep_one(name: str, log_dir: Path) -> dict:
 
 def table(rows: list[dict]) -> str:
     """The sweep as a fixed-width text table, with each failure's error below it."""
-    lines = [f"{'architecture':<20} {'target class':<24} {'algo':<6} {'result':<28} {'accept len':<18} "
-             f"{'plain = HF':<20} plugin line", "-" * 141]  # fmt: skip
+    lines = [f"{'architecture':<28} {'target class':<32} {'algo':<6} {'result':<28} {'accept len':<18} "
+             f"{'plain = HF':<20} plugin line", "-" * 157]  # fmt: skip
     notes = []
     for row in rows:
         spec = row.get("plugin_server", {})
@@ -122,7 +177,7 @@ def table(rows: list[dict]) -> str:
         plugin = ", ".join(f"{n} hot ids, tp {tp}, {layout}/{exchange}" for n, tp, layout, exchange in
                            spec.get("plugin", [])) or "-"  # fmt: skip
         hf = row.get("plain_equals_hf", "-").split(":")[0]
-        lines.append(f"{row['name']:<20} {row['target']:<24} {row['algorithm']:<6} {row['status']:<28} "
+        lines.append(f"{row['name']:<28} {row['target']:<32} {row['algorithm']:<6} {row['status']:<28} "
                      f"{accept:<18} {hf:<20} {plugin}")  # fmt: skip
         if "error" in row:
             notes.append(f"{row['name']}: {row['error']}")
@@ -142,7 +197,7 @@ def write(out: Path, rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=sorted(ARCHITECTURES), help="architectures to serve")
+    parser.add_argument("--only", nargs="+", choices=sorted(SWEPT), help="architectures to serve")
     parser.add_argument(
         "--out", type=Path, help="write OUT.txt (table) and OUT.json (rows); rows of an existing OUT.json "
         "for architectures not served now are kept"
@@ -156,13 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     if args.out and args.out.with_suffix(".json").exists():
         rows = {row["name"]: row for row in json.loads(args.out.with_suffix(".json").read_text())["rows"]}
-    for name in args.only or list(ARCHITECTURES):
+    for name in args.only or SWEPT:
         print(f"== {name}", flush=True)
         rows[name] = sweep_one(name, log_dir) | {"logs": str(log_dir), "cpu_count": os.cpu_count()}
         print(f"   {rows[name]['status']}: {rows[name].get('error', '')}", flush=True)
         if args.out:  # after every architecture, so an interrupted sweep keeps what it served
-            write(args.out, [rows[n] for n in ARCHITECTURES if n in rows])
-    print(table([rows[n] for n in ARCHITECTURES if n in rows]))
+            write(args.out, [rows[n] for n in SWEPT if n in rows])
+    print(table([rows[n] for n in SWEPT if n in rows]))
     return 0
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
 from qwen3_5_cpu import SERVER_ARGS as QWEN3_5_ARGS  # noqa: E402
 from qwen3_5_cpu import SERVER_ENV as QWEN3_5_ENV  # noqa: E402
-from qwen3_5_cpu import nextn_args, qwen3_5_target, qwen3_next_target  # noqa: E402
+from qwen3_5_cpu import modelopt_target, nextn_args, qwen3_5_target, qwen3_next_target  # noqa: E402
 
 pytestmark = pytest.mark.server
 NEW = 16
@@ -96,4 +96,31 @@ def _qwen3_mtp_decodes_as_hf_greedy(target: str, start_server) -> None:
     outs = server.generate(PROMPTS, NEW)
     expected = [reference_greedy(target, prompt, NEW) for prompt in PROMPTS]
     compare_greedy(target, PROMPTS, [o["output_ids"] for o in outs], expected, HF_TIE_EPSILON)
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+
+
+# A bfloat16 server's greedy steps sit at a bfloat16 rounding of the logits: on the ModelOpt
+# checkpoint below SGLang's bf16 greedy left HF's float32 greedy at top-2 margins 0.0017, 0.008 and
+# 0.04 (3 prompts x 16 tokens), where two float32 implementations differ below 0.006.
+BF16_TIE_EPSILON = 5e-2
+
+
+def test_qwen3_5_modelopt_checkpoint_at_tp2_with_a_map_decodes_as_plain_greedy(start_server):
+    """The seed report's shape of checkpoint: Qwen3.5 with its MTP layer as a ModelOpt NVFP4 export
+    (``hf_quant_config.json``: the LM head, the MTP layer and what CPU cannot run excluded,
+    ``qwen3_5_cpu.MODELOPT_EXCLUDED``), bfloat16 (ModelOpt accepts no float32), TP=2, NEXTN topk 2
+    + map + plugin: SGLang read the config, the plugin's line, the draft ran, and the outputs are
+    plain greedy's of the same checkpoint at TP=2 (tie-aware, judged by HF's float32 logits)."""
+    target = modelopt_target(qwen3_5_target(), "nvfp4")
+    fixture = ModelFixture(Path(target).parent)
+    extra = (*QWEN3_5_ARGS, "--dtype", "bfloat16")
+    plain = start_server(fixture, 2, eagle=False, plugin=False, extra=extra, env=QWEN3_5_ENV)
+    expected = [o["output_ids"] for o in plain.generate(PROMPTS, NEW)]
+    plain.stop()
+    speculative = (*extra, *nextn_args(target, topk=2, with_map=True))
+    server = start_server(fixture, 2, eagle=False, extra=speculative, env=QWEN3_5_ENV)
+    assert "Detected nvfp4 checkpoint" in server.log()
+    assert_plugin_active(server, 512, 2)
+    outs = server.generate(PROMPTS, NEW)
+    compare_greedy(target, PROMPTS, [o["output_ids"] for o in outs], expected, BF16_TIE_EPSILON)
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
