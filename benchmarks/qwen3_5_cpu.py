@@ -24,9 +24,9 @@ picked float16 without it), ``SGLANG_MAMBA_CONV_DTYPE=float32`` (SGLang keeps th
 bfloat16 by default, ``configs/mamba_utils.py:67``: decode then left HF's greedy path, once at a
 top-2 margin of 0.008 and once outside HF's top two), ``--disable-radix-cache`` (the radix
 cache's default ``extra_buffer`` mode asserts a GPU-class platform,
-``arg_groups/mamba_hook.py:120``; ``--mamba-radix-cache-strategy no_buffer
---disable-overlap-schedule`` instead served plain TP=1 equal to HF, prefix reuse not exercised),
-``--max-mamba-cache-size 32`` (else 3 GB of ssm states).
+``arg_groups/mamba_hook.py:120``; ``--radix-cache`` serves its ``no_buffer`` mode instead,
+``NO_BUFFER_RADIX_ARGS``, and sends each prompt again extended by its first output, a prefix hit of
+the whole first request), ``--max-mamba-cache-size 32`` (else 3 GB of ssm states).
 
 ``--family qwen3_next``: a tiny ``Qwen3NextForCausalLM`` (issue 35's last family) with the same
 two layers and vocabulary, every MLP a sparse MoE block as in the released config (4 experts, top
@@ -113,6 +113,22 @@ SERVER_ARGS = [
     "32",
 ]
 SERVER_ENV = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
+# The radix cache in the hybrid mode a CPU can run (SGLang refuses overlap scheduling with it).
+NO_BUFFER_RADIX_ARGS = ["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"]
+
+
+def server_args(radix_cache: bool = False) -> list[str]:
+    """SERVER_ARGS, with the radix cache in its ``no_buffer`` mode instead of off if asked."""
+    if not radix_cache:
+        return list(SERVER_ARGS)
+    return [arg for arg in SERVER_ARGS if arg != "--disable-radix-cache"] + NO_BUFFER_RADIX_ARGS
+
+
+def prefix_hit_prompts(prompts: list[list[int]], outs: list[dict]) -> list[list[int]]:
+    """Each prompt extended by its output and one more id: its whole first request is a prefix."""
+    return [prompt + out["output_ids"] + [33] for prompt, out in zip(prompts, outs, strict=True)]
+
+
 # Qwen3-Next: the same linear and full-attention layers, every layer's MLP a sparse MoE block (as
 # in the released config, decoder_sparse_step 1) with a shared expert; tiny and text-only.
 NEXT_CONFIG = {
@@ -282,29 +298,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nextn", action="store_true", help="NEXTN with the checkpoint's MTP layer")
     parser.add_argument("--topk", type=int, default=2, help="NEXTN tree width (1: a chain)")
     parser.add_argument("--map", action="store_true", help="NEXTN with a 512-id token map and the plugin")
+    parser.add_argument("--radix-cache", action="store_true",
+                        help="the radix cache in no_buffer mode, and a second round hitting it")  # fmt: skip
     parser.add_argument("--log-dir", type=Path, default=Path("."), help="where the server log goes")
     parser.add_argument("extra", nargs="*", help="more server arguments (after --)")
     args = parser.parse_args(argv)
     target = qwen3_5_target() if args.family == "qwen3_5" else qwen3_next_target()
-    expected = [reference_greedy(target, prompt, NEW_TOKENS) for prompt in PROMPTS]
-    server_args = ["--model-path", target, "--tp-size", str(args.tp), *CPU_SERVER_ARGS, *SERVER_ARGS]
+    launch = [
+        "--model-path",
+        target,
+        "--tp-size",
+        str(args.tp),
+        *CPU_SERVER_ARGS,
+        *server_args(args.radix_cache),
+    ]
     if args.nextn or args.map:
-        server_args += nextn_args(target, args.topk, args.map)
+        launch += nextn_args(target, args.topk, args.map)
     speculative = f"-nextn-topk{args.topk}{'-map' if args.map else ''}" if args.nextn or args.map else ""
     log = args.log_dir / f"{args.family}-tp{args.tp}{speculative}.log"
-    server = SGLangServer(
-        [*server_args, *args.extra], cpu_env(args.tp, with_plugin=args.map) | SERVER_ENV, log
-    )
+    server = SGLangServer([*launch, *args.extra], cpu_env(args.tp, with_plugin=args.map) | SERVER_ENV, log)
+    rounds = []
     with server:
-        outs = server.generate(PROMPTS, NEW_TOKENS)
+        rounds.append((PROMPTS, server.generate(PROMPTS, NEW_TOKENS)))
+        if args.radix_cache:
+            prompts = prefix_hit_prompts(PROMPTS, rounds[0][1])
+            rounds.append((prompts, server.generate(prompts, NEW_TOKENS)))
         plugin = plugin_activity(server.log())
-    got = [o["output_ids"] for o in outs]
-    ties = compare_greedy(target, PROMPTS, got, expected)
-    print(f"SGLang greedy equals HF greedy: {len(PROMPTS)} x {NEW_TOKENS} tokens, {len(ties)} near-tie(s)")
-    if args.nextn or args.map:
+    for prompts, outs in rounds:
+        expected = [reference_greedy(target, prompt, NEW_TOKENS) for prompt in prompts]
+        ties = compare_greedy(target, prompts, [o["output_ids"] for o in outs], expected)
         meta = [o["meta_info"] for o in outs]
-        print("verify steps", [m.get("spec_verify_ct") for m in meta], "accept lengths",
-              [m.get("spec_accept_length") for m in meta])  # fmt: skip
+        cached = [m.get("cached_tokens") for m in meta]
+        print(f"SGLang greedy equals HF greedy: {len(prompts)} x {NEW_TOKENS} tokens, "
+              f"{len(ties)} near-tie(s); cached prompt tokens {cached}")  # fmt: skip
+        if args.nextn or args.map:
+            print("verify steps", [m.get("spec_verify_ct") for m in meta], "accept lengths",
+                  [m.get("spec_accept_length") for m in meta])  # fmt: skip
     if args.map:
         assert plugin and plugin[0][1] == args.tp, f"the plugin's start-up line is missing: {plugin}"
         print("plugin:", plugin[0])

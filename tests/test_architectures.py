@@ -6,7 +6,9 @@ The tiny random-weight checkpoints come from ``benchmarks/architectures.py``, th
 whole sweep (``benchmarks/sweep_architectures.py``, results in docs/results/architecture-sweep-cpu.txt).
 The greedy reference is an HF transformers forward of the target, not a second SGLang server: half
 the servers, and an independent implementation. Its float32 logits differ from SGLang's by more than
-two SGLang runs differ, so a near-tie is judged with a wider margin (``HF_TIE_EPSILON``).
+two SGLang runs differ, so a near-tie is judged with a wider margin (``HF_TIE_EPSILON``). The
+Qwen3.5 and Qwen3-Next hybrids come from ``benchmarks/qwen3_5_cpu.py``; their ModelOpt export serves
+in bfloat16, far from HF's float32, so its reference is SGLang's plain greedy (a second server).
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ from tests.test_servers_plugin import assert_plugin_active, num_hot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
-from qwen3_5_cpu import SERVER_ARGS as QWEN3_5_ARGS  # noqa: E402
 from qwen3_5_cpu import SERVER_ENV as QWEN3_5_ENV  # noqa: E402
-from qwen3_5_cpu import modelopt_target, nextn_args, qwen3_5_target, qwen3_next_target  # noqa: E402
+from qwen3_5_cpu import (  # noqa: E402
+    modelopt_target,
+    nextn_args,
+    prefix_hit_prompts,
+    qwen3_5_target,
+    qwen3_next_target,
+    server_args,
+)
 
 pytestmark = pytest.mark.server
 NEW = 16
@@ -77,26 +85,35 @@ def test_qwen3_5_mtp_at_tp2_with_a_map_decodes_as_hf_greedy(start_server):
     """Qwen3.5 (gated-delta-net and gated-attention layers, vocab 4093, its own MTP layer as the
     NEXTN draft; ``benchmarks/qwen3_5_cpu.py``) at TP=2 with a map and the plugin: the plugin's
     line, HF's greedy tokens (tie-aware), the draft really ran (its post-verify state commits
-    included)."""
-    _qwen3_mtp_decodes_as_hf_greedy(qwen3_5_target(), start_server)
+    included). The radix cache is on in its ``no_buffer`` mode (the one a CPU can run): a second
+    round whose prompts extend the first round's requests reuses each whole first request (every
+    token but the last output, never forwarded) and still decodes as HF."""
+    _qwen3_mtp_decodes_as_hf_greedy(qwen3_5_target(), start_server, radix_cache=True)
 
 
 def test_qwen3_next_mtp_at_tp2_with_a_map_decodes_as_hf_greedy(start_server):
     """Qwen3-Next (gated-delta-net and gated-attention layers, every MLP a sparse MoE block with a
     gated shared expert, vocab 4093, its own MTP layer as the NEXTN draft; ``benchmarks/qwen3_5_cpu.py
-    --family qwen3_next``) at TP=2 with a map and the plugin, as Qwen3.5 above."""
-    _qwen3_mtp_decodes_as_hf_greedy(qwen3_next_target(), start_server)
+    --family qwen3_next``) at TP=2 with a map and the plugin, as Qwen3.5 above (radix cache off)."""
+    _qwen3_mtp_decodes_as_hf_greedy(qwen3_next_target(), start_server, radix_cache=False)
 
 
-def _qwen3_mtp_decodes_as_hf_greedy(target: str, start_server) -> None:
+def _qwen3_mtp_decodes_as_hf_greedy(target: str, start_server, radix_cache: bool) -> None:
     """NEXTN topk 2 + the 512-id map + the plugin at TP=2 with the qwen3_5_cpu server settings."""
-    extra = (*QWEN3_5_ARGS, *nextn_args(target, topk=2, with_map=True))
+    extra = (*server_args(radix_cache), *nextn_args(target, topk=2, with_map=True))
     server = start_server(ModelFixture(Path(target).parent), 2, eagle=False, extra=extra, env=QWEN3_5_ENV)
     assert_plugin_active(server, 512, 2)
     outs = server.generate(PROMPTS, NEW)
-    expected = [reference_greedy(target, prompt, NEW) for prompt in PROMPTS]
-    compare_greedy(target, PROMPTS, [o["output_ids"] for o in outs], expected, HF_TIE_EPSILON)
-    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+    rounds = [(PROMPTS, outs)]
+    if radix_cache:
+        prompts = prefix_hit_prompts(PROMPTS, outs)
+        rounds.append((prompts, server.generate(prompts, NEW)))
+        cached = [o["meta_info"]["cached_tokens"] for o in rounds[1][1]]
+        assert cached == [len(p) + NEW - 1 for p in PROMPTS], cached
+    for prompts, outs in rounds:
+        expected = [reference_greedy(target, prompt, NEW) for prompt in prompts]
+        compare_greedy(target, prompts, [o["output_ids"] for o in outs], expected, HF_TIE_EPSILON)
+        assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
 
 
 # A bfloat16 server's greedy steps sit at a bfloat16 rounding of the logits: on the ModelOpt
@@ -113,7 +130,7 @@ def test_qwen3_5_modelopt_checkpoint_at_tp2_with_a_map_decodes_as_plain_greedy(s
     plain greedy's of the same checkpoint at TP=2 (tie-aware, judged by HF's float32 logits)."""
     target = modelopt_target(qwen3_5_target(), "nvfp4")
     fixture = ModelFixture(Path(target).parent)
-    extra = (*QWEN3_5_ARGS, "--dtype", "bfloat16")
+    extra = (*server_args(), "--dtype", "bfloat16")
     plain = start_server(fixture, 2, eagle=False, plugin=False, extra=extra, env=QWEN3_5_ENV)
     expected = [o["output_ids"] for o in plain.generate(PROMPTS, NEW)]
     plain.stop()
