@@ -40,6 +40,13 @@ shared-expert gate, ``get_device_module``).
 
     .venv/bin/python benchmarks/qwen3_5_cpu.py --family qwen3_next --tp 2 --map --topk 1
 
+``--chain`` (Qwen3-Next): ``chain_target``, a permutation chain with an exact MTP draft, so accept
+lengths mean something; ``--stock`` serves the map without the plugin (stock SGLang: TP=1 only).
+Results: docs/results/qwen3-next-chain-cpu.txt.
+
+    .venv/bin/python benchmarks/qwen3_5_cpu.py --family qwen3_next --chain --tp 1 --map --stock
+    .venv/bin/python benchmarks/qwen3_5_cpu.py --family qwen3_next --chain --tp 2 --map
+
 ``modelopt_target``: the checkpoint as a ModelOpt export (``MODELOPT_CONFIGS``: an
 ``hf_quant_config.json`` beside the same weights), the seed report's shape of checkpoint, served in
 bfloat16 (ModelOpt's configs refuse float32). There SGLang's greedy leaves HF's float32 greedy at
@@ -263,6 +270,44 @@ def qwen3_next_target() -> str:
     return str(cached_build(root, _build_next, marker="done") / "target")
 
 
+def chain_target(target: str) -> str:
+    """``target`` (Qwen3-Next) made to decode a permutation chain, in a fixture folder of its own:
+    every mixer's and MLP's output projection zeroed (the layers still run, and add nothing), unit
+    embeddings, ``lm_head[pi(x)] = embed[x]``, so greedy decoding goes x -> pi(x) with a wide
+    margin; the MTP layer's ``fc`` passes the next token's embedding on, so its draft is exact and
+    accept lengths reach steps + 1 without a map. Its map holds a random half of the vocabulary:
+    a cold next token cannot be drafted, so acceptance is partial and comparable across servers."""
+    from safetensors.torch import load_file
+
+    source = Path(target)
+
+    def build(root: Path) -> None:
+        gen = torch.Generator().manual_seed(SEED + 3)
+        (root / "target").mkdir(parents=True)
+        for path in source.iterdir():
+            if not path.name.endswith(".safetensors"):
+                shutil.copy(path, root / "target" / path.name)
+        state = load_file(str(source / "model.safetensors"))
+        mtp = load_file(str(source / "mtp.safetensors"))
+        zeroed = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+        for tensors in (state, mtp):
+            for name in tensors:
+                if name.endswith(zeroed):
+                    tensors[name] = torch.zeros_like(tensors[name])
+        embed = torch.nn.functional.normalize(torch.randn(VOCAB, HIDDEN, generator=gen), dim=-1)
+        pi = torch.randperm(VOCAB, generator=gen)
+        head = torch.empty_like(embed)
+        head[pi] = embed
+        state["model.embed_tokens.weight"], state["lm_head.weight"] = embed, head
+        mtp["mtp.fc.weight"] = torch.cat((torch.eye(HIDDEN), torch.zeros(HIDDEN, HIDDEN)), dim=1)
+        save_file(state, str(root / "target" / "model.safetensors"))
+        save_file(mtp, str(root / "target" / "mtp.safetensors"))
+        torch.save(torch.randperm(VOCAB, generator=gen)[: VOCAB // 2].clone(), root / "map_hot.pt")
+
+    root = source.parent.with_name(f"{source.parent.name}-chain")
+    return str(cached_build(root, build, marker="map_hot.pt") / "target")
+
+
 def qwen3_5_target() -> str:
     """Build (once, cached) the tiny Qwen3.5 checkpoint; its path."""
     root = cache_root() / f"qwen3_5-{source_digest('qwen3_5_cpu', 'sglang_frspec.demo.fixtures')}"
@@ -297,13 +342,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--nextn", action="store_true", help="NEXTN with the checkpoint's MTP layer")
     parser.add_argument("--topk", type=int, default=2, help="NEXTN tree width (1: a chain)")
-    parser.add_argument("--map", action="store_true", help="NEXTN with a 512-id token map and the plugin")
+    parser.add_argument("--map", action="store_true", help="NEXTN + token map + plugin")
+    parser.add_argument("--chain", action="store_true",
+                        help="Qwen3-Next decoding a permutation chain (chain_target)")  # fmt: skip
+    parser.add_argument("--stock", action="store_true",
+                        help="with --map: stock SGLang (it serves a map at TP=1 only)")  # fmt: skip
     parser.add_argument("--radix-cache", action="store_true",
                         help="the radix cache in no_buffer mode, and a second round hitting it")  # fmt: skip
     parser.add_argument("--log-dir", type=Path, default=Path("."), help="where the server log goes")
     parser.add_argument("extra", nargs="*", help="more server arguments (after --)")
     args = parser.parse_args(argv)
+    if args.chain and args.family != "qwen3_next":
+        parser.error("--chain is built from --family qwen3_next")
     target = qwen3_5_target() if args.family == "qwen3_5" else qwen3_next_target()
+    if args.chain:
+        target = chain_target(target)
     launch = [
         "--model-path",
         target,
@@ -315,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.nextn or args.map:
         launch += nextn_args(target, args.topk, args.map)
     speculative = f"-nextn-topk{args.topk}{'-map' if args.map else ''}" if args.nextn or args.map else ""
-    log = args.log_dir / f"{args.family}-tp{args.tp}{speculative}.log"
-    server = SGLangServer([*launch, *args.extra], cpu_env(args.tp, with_plugin=args.map) | SERVER_ENV, log)
+    log = args.log_dir / f"{args.family}{'-chain' if args.chain else ''}-tp{args.tp}{speculative}.log"
+    env = cpu_env(args.tp, with_plugin=args.map and not args.stock) | SERVER_ENV
+    server = SGLangServer([*launch, *args.extra], env, log)
     rounds = []
     with server:
         rounds.append((PROMPTS, server.generate(PROMPTS, NEW_TOKENS)))
@@ -334,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.nextn or args.map:
             print("verify steps", [m.get("spec_verify_ct") for m in meta], "accept lengths",
                   [m.get("spec_accept_length") for m in meta])  # fmt: skip
-    if args.map:
+    if args.map and not args.stock:
         assert plugin and plugin[0][1] == args.tp, f"the plugin's start-up line is missing: {plugin}"
         print("plugin:", plugin[0])
     return 0
