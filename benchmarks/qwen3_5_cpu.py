@@ -59,8 +59,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -70,7 +68,13 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.harness
 
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
-from sglang_frspec.demo.fixtures import cache_root, cached_build, save_word_tokenizer, source_digest  # noqa: E402
+from sglang_frspec.demo.fixtures import (  # noqa: E402
+    cache_root,
+    cached_build,
+    linked_variant,
+    save_word_tokenizer,
+    source_digest,
+)
 from sglang_frspec.demo.server import SGLangServer, plugin_activity  # noqa: E402
 from tests.harness.greedy import compare_greedy, reference_greedy  # noqa: E402
 
@@ -279,16 +283,10 @@ def chain_target(target: str) -> str:
     a cold next token cannot be drafted, so acceptance is partial and comparable across servers."""
     from safetensors.torch import load_file
 
-    source = Path(target)
-
-    def build(root: Path) -> None:
+    def rewire(root: Path) -> None:
         gen = torch.Generator().manual_seed(SEED + 3)
-        (root / "target").mkdir(parents=True)
-        for path in source.iterdir():
-            if not path.name.endswith(".safetensors"):
-                shutil.copy(path, root / "target" / path.name)
-        state = load_file(str(source / "model.safetensors"))
-        mtp = load_file(str(source / "mtp.safetensors"))
+        state = load_file(str(root / "target" / "model.safetensors"))
+        mtp = load_file(str(root / "target" / "mtp.safetensors"))
         zeroed = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
         for tensors in (state, mtp):
             for name in tensors:
@@ -300,12 +298,14 @@ def chain_target(target: str) -> str:
         head[pi] = embed
         state["model.embed_tokens.weight"], state["lm_head.weight"] = embed, head
         mtp["mtp.fc.weight"] = torch.cat((torch.eye(HIDDEN), torch.zeros(HIDDEN, HIDDEN)), dim=1)
+        hot = torch.randperm(VOCAB, generator=gen)[: VOCAB // 2].clone()
+        for name in ("target/model.safetensors", "target/mtp.safetensors", "map_hot.pt"):
+            (root / name).unlink()  # new files, never a write through the links into the original
         save_file(state, str(root / "target" / "model.safetensors"))
         save_file(mtp, str(root / "target" / "mtp.safetensors"))
-        torch.save(torch.randperm(VOCAB, generator=gen)[: VOCAB // 2].clone(), root / "map_hot.pt")
+        torch.save(hot, root / "map_hot.pt")
 
-    root = source.parent.with_name(f"{source.parent.name}-chain")
-    return str(cached_build(root, build, marker="map_hot.pt") / "target")
+    return str(linked_variant(Path(target).parent, "chain", rewire, marker="map_hot.pt") / "target")
 
 
 def qwen3_5_target() -> str:
@@ -317,17 +317,15 @@ def qwen3_5_target() -> str:
 def modelopt_target(target: str, algo: str) -> str:
     """``target`` as a ModelOpt ``algo`` checkpoint (MODELOPT_CONFIGS), in a fixture folder of its
     own beside the original (weights and map hard-linked; cached); its target folder."""
-    source = Path(target)
 
-    def build(root: Path) -> None:
-        shutil.copytree(source, root / "target", copy_function=os.link)
-        os.link(source.parent / "map_hot.pt", root / "map_hot.pt")
+    def add_config(root: Path) -> None:
         quantization = MODELOPT_CONFIGS[algo] | {"exclude_modules": MODELOPT_EXCLUDED}
         config = {"producer": {"name": "modelopt", "version": "0.37.0"}, "quantization": quantization}
         (root / "target" / "hf_quant_config.json").write_text(json.dumps(config, indent=1))
 
-    root = source.parent.with_name(f"{source.parent.name}-modelopt-{algo}")
-    return str(cached_build(root, build, marker="map_hot.pt") / "target")
+    return str(
+        linked_variant(Path(target).parent, f"modelopt-{algo}", add_config, marker="map_hot.pt") / "target"
+    )
 
 
 def nextn_args(target: str, topk: int, with_map: bool) -> list[str]:

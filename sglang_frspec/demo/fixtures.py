@@ -263,6 +263,18 @@ def cached_build(root: Path, build: Callable[[Path], None], marker: str) -> Path
     return root
 
 
+def linked_variant(source: Path, suffix: str, edit: Callable[[Path], None], marker: str) -> Path:
+    """A variant of the fixture folder ``source`` beside it (``<name>-<suffix>``, built once): its
+    files hard links to ``source``'s (no second copy of the weights), then ``edit(variant)``. An edit
+    replaces a file it changes (unlink, then write): writing through a link changes ``source``."""
+
+    def build(root: Path) -> None:
+        shutil.copytree(source, root, copy_function=os.link)
+        edit(root)
+
+    return cached_build(source.with_name(f"{source.name}-{suffix}"), build, marker)
+
+
 def perm_fixture(
     vocab_size: int = 32000, hidden_size: int = 128, num_hot: int = 512, seed: int = 1234
 ) -> PermFixture:

@@ -4,8 +4,6 @@ quantization configs (the permutation fixture itself ships with the demo)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -16,6 +14,7 @@ from sglang_frspec.demo.fixtures import (
     cache_root,
     cached_build,
     decoder_layer,
+    linked_variant,
     llama_config,
     save_model,
     save_word_tokenizer,
@@ -118,14 +117,13 @@ def quant_config_fixture(fixture: PermFixture, name: str) -> PermFixture:
     QUANT_CONFIGS_ALL_EXCLUDED added (weights, draft and maps unchanged)."""
     file_name, config = QUANT_CONFIGS_ALL_EXCLUDED[name]
 
-    def build(root: Path) -> None:
-        shutil.copytree(fixture.root, root, copy_function=os.link)  # hard links: no second copy
+    def add_config(root: Path) -> None:
         path = root / "target" / file_name
         merged = (json.loads(path.read_text()) if path.exists() else {}) | config
         path.unlink(missing_ok=True)  # a new file, never a write through the link into the original
         path.write_text(json.dumps(merged, indent=1))
 
-    root = cached_build(fixture.root.with_name(f"{fixture.root.name}-{name}"), build, marker="chains.json")
+    root = linked_variant(fixture.root, name, add_config, marker="chains.json")
     return PermFixture(root, fixture.vocab_size, fixture.hidden_size, fixture.chain, fixture.low_chain)
 
 
@@ -137,14 +135,12 @@ def sharp_draft_fixture(fixture: PermFixture) -> PermFixture:
     Greedy drafts are unchanged. Target, tokenizer and maps are hard links to ``fixture``'s."""
     from safetensors.torch import load_file, save_file
 
-    def build(root: Path) -> None:
-        shutil.copytree(fixture.root, root, copy_function=os.link)
+    def sharpen(root: Path) -> None:
         path = root / "draft" / "model.safetensors"
         tensors = load_file(str(path))
         tensors["fc.weight"] = tensors["fc.weight"] * fixture.hidden_size**0.5
         path.unlink()  # a new file, never a write through the link into the original
         save_file(tensors, str(path), metadata={"format": "pt"})
 
-    name = f"{fixture.root.name}-sharp-{BUILDER_DIGEST}"
-    root = cached_build(fixture.root.with_name(name), build, marker="chains.json")
+    root = linked_variant(fixture.root, f"sharp-{BUILDER_DIGEST}", sharpen, marker="chains.json")
     return PermFixture(root, fixture.vocab_size, fixture.hidden_size, fixture.chain, fixture.low_chain)
