@@ -98,3 +98,45 @@ def adapter_refusal(payload: dict) -> str | None:
     except UnsupportedSetupError as e:
         return str(e)
     return None
+
+
+def adapter_after_replaced_weights(payload: dict) -> dict:
+    """A weight update that replaces the head's tensor instead of copying into it, then the refresh
+    the update hook runs, then a decision: for a vocab-parallel ``ParallelLMHead`` whose
+    ``weight`` becomes a new ``Parameter``, and for a table every rank holds whole (Gemma 3's tied
+    head) whose ``weight.data`` is set to new storage (as SGLang's post-load staging does). Returns,
+    per case, the hot ids and this rank's hot head after the decision and the hot positions it
+    computes."""
+    from sglang_frspec.adapters.head import describe_head_shard, describe_table_slice
+    from sglang_frspec.core import table_slice_ranges
+
+    vocab, hidden = payload["vocab"], payload["hidden"]
+    new_full = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(1))
+    target, _ = _target_head(vocab, hidden, torch.float32, seed=0)
+    table = torch.nn.Embedding(vocab, hidden)
+    table.weight.data.copy_(torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0)))
+    shard = describe_head_shard(target)
+    start, end = table_slice_ranges(vocab, shard.tp_size)[shard.rank]
+    shards = {"vocab_parallel": shard, "replicated": describe_table_slice(table, table.weight[start:end])}
+    committed = torch.tensor(payload["committed"] * 3)  # three times each: beats the margin
+    out = {"rank": shard.rank}
+    for case, shard in shards.items():
+        adapter, counts = _adapter(shard, "balanced", payload["hot"], vocab)
+        if case == "vocab_parallel":
+            first, last = shard.shard_ranges[shard.rank]
+            rows = torch.zeros_like(target.weight)  # padding rows stay zero
+            rows[: last - first] = new_full[first:last]
+            target.weight = torch.nn.Parameter(rows, requires_grad=False)
+        else:
+            table.weight.data = new_full.clone()
+        adapter.head.refresh()  # what the weight-update hook runs on every rank
+        counts.add(committed, torch.tensor([committed.numel()]), committed.numel())
+        adapter.after_verify()  # rank 0 decides, every rank applies
+        plan = adapter.head.plan
+        out[case] = {
+            "hot_ids": plan.hot_ids.clone(),
+            "head": adapter.head.local_head.clone(),
+            "columns": (plan.offsets[shard.rank], plan.counts[shard.rank]),
+            "swapped": adapter.swapped,
+        }
+    return out

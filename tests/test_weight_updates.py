@@ -1,5 +1,6 @@
 """Weight updates refresh the hot head: once per completed update on every rank, for every
-update path SGLang has (a real gloo group), and on a real TP=2 server updated from disk."""
+update path SGLang has (a real gloo group), and on a real TP=2 server updated from disk; an
+adaptive map's later swaps read the updated rows, also when the update replaced the tensor."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from tests import rank_cases_adapters
+from sglang_frspec.core import vocab_shard_ranges
+from tests import rank_cases_adapt, rank_cases_adapters
 from tests.harness.tp_group import run_tp_group
 from tests.rank_cases_adapters import skewed_ids
 
@@ -76,3 +78,30 @@ def test_weight_update_from_disk_refreshes_the_hot_head_of_a_server(perm, start_
     assert out["output_ids"] == new_greedy
     # A stale hot head would still draft the old pi(x) and almost never be accepted.
     assert out["meta_info"]["spec_accept_length"] == 3.0
+
+
+@pytest.mark.multirank
+def test_swaps_after_an_update_that_replaces_the_head_tensor_read_the_new_rows():
+    """An update may hand the head a new tensor (a new Parameter, or new storage under the same
+    one) rather than copy into it; the refresh reads the new rows, and so must the adaptive map's
+    later swaps. On a real gloo group at TP=2, balanced layout, ids of both shards swapped in: each
+    rank's head equals the independent ``W_new[hot ids]`` of its slice, for a vocab-parallel head
+    and for Gemma 3's replicated table."""
+    vocab, hidden = 1000, 16
+    half = vocab_shard_ranges(vocab, 2)[1][0]
+    hot = [*range(0, half, 3)][:12] + [*range(half, vocab, 3)][:12]
+    committed = [half + 1, half + 5, 2, 4]  # two ids from each shard, outside the map
+    payload = {"vocab": vocab, "hidden": hidden, "hot": hot, "committed": committed}
+    results = run_tp_group(rank_cases_adapt.adapter_after_replaced_weights, 2, payload)
+    new_full = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(1))
+    for case in ("vocab_parallel", "replicated"):
+        hot_ids = results[0][case]["hot_ids"]
+        assert set(committed) <= set(hot_ids.tolist()), case  # all four swapped in
+        for result in results:
+            got = result[case]
+            assert torch.equal(got["hot_ids"], hot_ids) and got["swapped"] == 4, case
+            first, count = got["columns"]
+            assert torch.equal(got["head"][:count], new_full[hot_ids[first : first + count]]), (
+                case,
+                result["rank"],
+            )

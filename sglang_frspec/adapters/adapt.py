@@ -5,7 +5,8 @@ of the group alike), TP rank 0 decides from the decayed counts of the committed 
 swap, and every rank applies the same decision before the next forward pass: ``hot_token_id`` and
 the rows of its hot head are rewritten **in place** (same tensors, same addresses, so SGLang's
 captured draft graphs stay valid). Each new row is read from the vocab shard that holds it (a
-quantized head's dequantized, as at start-up) and, under the balanced layout, sent to the rank
+quantized head's dequantized, as at start-up), looked up at each decision as a refresh does (an
+update may give the head a new tensor), and, under the balanced layout, sent to the rank
 that computes its position in bounded steps that every rank joins (``place_hot_rows``). The
 plan's hot ids are the same ids (rewritten with them), so a weight-update refresh rebuilds the
 current set.
@@ -49,7 +50,6 @@ class HotSetAdapter:
             status = ("error", type(e).__name__, str(e))
         agree_across_ranks(status, get_parallel().tp_group)  # every rank raises, or none
         self.groups = swap_groups(head.plan)
-        self.read_rows = hot_row_reader(head.shard)  # as the start-up head read them
         self.head = head
         self.hot_token_id = hot_token_id
         self.counts = counts
@@ -115,7 +115,10 @@ class HotSetAdapter:
         if plan_ids.data_ptr() != self.hot_token_id.data_ptr():  # on the CPU they are one tensor
             plan_ids.index_copy_(0, swaps.positions, swaps.ids_in)
         head, shard = self.head, self.head.shard
-        exchanged = place_hot_rows(self.read_rows, swaps.ids_in, head.plan, shard.rank, shard.all_gather,
+        # A reader of the head's tensor now: a weight update may replace it (a new Parameter, or
+        # new storage under `.data`) rather than copy into it, and the refresh read the new one.
+        read_rows = hot_row_reader(shard)
+        exchanged = place_hot_rows(read_rows, swaps.ids_in, head.plan, shard.rank, shard.all_gather,
                                    head.local_head, positions=swaps.positions)  # fmt: skip
         self.swapped += len(swaps)
         return exchanged
