@@ -48,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
-from common import fixture_map, summarize  # noqa: E402
+from common import fixture_map, shown_path, shown_paths, summarize  # noqa: E402
 
 from sglang_frspec.demo import gemma3  # noqa: E402
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
@@ -387,7 +387,7 @@ def fixture_line(fixture, report: dict) -> str:
     if isinstance(fixture, gemma3.Gemma3Fixture):
         return (
             f"Gemma 3 270M: vocab {gemma3.VOCAB}, float32, perplexity {report['perplexity']:.1f} on held-out "
-            f"prose; its shipped EAGLE draft ({fixture.draft})"
+            f"prose; its shipped EAGLE draft ({shown_path(fixture.draft)})"
         )
     return (
         f"trained fixture: vocab {report['vocab']}, target held-out loss {report['target_held_out_loss']:.2f}"
@@ -422,11 +422,12 @@ def main(argv=None) -> int:
     if args.sampling:
         rows = [r for tp in args.tp for r in sampling_rows(tp, fixture, args, log_dir, prompts)]
         spec = f"EAGLE steps={args.steps} topk={args.topk} draft tokens={args.draft_tokens}"
-        print(f"\n{spec}; {args.prompts} prompts x {args.max_new_tokens} tokens per domain; logs {log_dir}")
+        per_domain = f"{args.prompts} prompts x {args.max_new_tokens} tokens per domain"
+        print(f"\n{spec}; {per_domain}; logs {shown_path(log_dir)}")
         print_sampling(rows, args.temperatures)
         if args.json:
             Path(args.json).write_text(
-                json.dumps({"args": vars(args), "fixture": report, "results": rows}, indent=1)
+                json.dumps(shown_paths({"args": vars(args), "fixture": report, "results": rows}), indent=1)
             )
         return 0
     rows: list[dict] = []
@@ -435,7 +436,7 @@ def main(argv=None) -> int:
     spec_line = (
         f"EAGLE steps={args.steps} topk={args.topk} draft tokens={args.draft_tokens} (max accept length "
         f"{args.steps + 1}); {args.prompts} prompts x {args.max_new_tokens} tokens per domain, "
-        f"{args.rounds} interleaved rounds; logs {log_dir}"
+        f"{args.rounds} interleaved rounds; logs {shown_path(log_dir)}"
     )
     print(f"\n{fixture_line(fixture, report)}\n{spec_line}")
     header = f"{'tp':>2} {'config':<34} {'domain':<6} {'accept':>6} {'tokens/s':>9} {'vs no map':>9} "
@@ -456,7 +457,7 @@ def main(argv=None) -> int:
             print(f"  {line}")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"args": vars(args), "fixture": report, "results": rows}, indent=1)
+            json.dumps(shown_paths({"args": vars(args), "fixture": report, "results": rows}), indent=1)
         )
     if args.plot:
         plot(rows, args.plot, FIXTURE_MAPS[args.fixture][2])

@@ -50,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
-from common import fixture_map, median_interval, rotated, summarize  # noqa: E402
+from common import fixture_map, median_interval, rotated, shown_path, shown_paths, summarize  # noqa: E402
 
 from sglang_frspec.core.options import DEFAULT_ADAPT_INTERVAL  # noqa: E402
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
@@ -503,11 +503,13 @@ def main(argv=None) -> int:
     fixture_line = (
         f"trained fixture: vocab {info['vocab']}, target held-out loss "
         f"{info['target_held_out_loss']:.2f} nats (unigram {info['unigram_held_out_loss']:.2f}); "
-        f"logs {log_dir}"
+        f"logs {shown_path(log_dir)}"
     )
     print_report(result, servers, args, fixture_line)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "fixture": info} | result, indent=1))
+        Path(args.json).write_text(
+            json.dumps(shown_paths({"args": vars(args), "fixture": info} | result), indent=1)
+        )
     if args.plot:
         plot(result, servers, args.plot)
     return 0 if all(r["equals_no_map"] != "NO" for r in result["phases"]) else 1

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_head_args, head_dtype, hot_map, rotated, summarize  # noqa: E402
+from common import add_head_args, head_dtype, hot_map, rotated, shown_paths, summarize  # noqa: E402
 
 STOCK, TP1 = "(a) stock full vocab", "(c) tp1 fr-spec head"
 
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
         report(results, facts, args, world)
         if args.json:
             Path(args.json).write_text(
-                json.dumps({"args": vars(args), "facts": facts, "results": results}, indent=1)
+                json.dumps(shown_paths({"args": vars(args), "facts": facts, "results": results}), indent=1)
             )
         if args.plot:
             plot(results, args.plot)

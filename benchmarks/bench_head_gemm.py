@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from common import add_head_args, head_dtype, hot_map, rotated, summarize  # noqa: E402
+from common import add_head_args, head_dtype, hot_map, rotated, shown_paths, summarize  # noqa: E402
 
 from sglang_frspec.core import HotLogitsExchange, plan_hot_shards, vocab_shard_ranges  # noqa: E402
 
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
             del steps, timers
     if args.json:
         record = {"args": vars(args), "device": device_name, "bandwidth": bandwidth, "results": results}
-        Path(args.json).write_text(json.dumps(record, indent=1))
+        Path(args.json).write_text(json.dumps(shown_paths(record), indent=1))
     return 0
 
 

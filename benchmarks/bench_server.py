@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness (CPU)
-from common import median_interval, summarize  # noqa: E402
+from common import median_interval, shown_path, shown_paths, summarize  # noqa: E402
 
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
 from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture  # noqa: E402
@@ -205,7 +205,8 @@ def main(argv=None) -> int:
         model = f"permutation fixture (V={LLAMA3_VOCAB}, hidden {args.hidden}, H={args.hot})"
     print(
         f"\nservers: tp={args.tp} device={args.device} model={model}; {args.requests} concurrent "
-        f"requests x {args.max_new_tokens} tokens, {args.rounds} interleaved rounds; logs {log_dir}"
+        f"requests x {args.max_new_tokens} tokens, {args.rounds} interleaved rounds; "
+        f"logs {shown_path(log_dir)}"
     )
     print(
         f"{'config':<42} {'tokens/s':>9} {'p25-p75':>13} {'vs stock':>8} {'accept':>6} {'ms/step':>8} "
@@ -227,7 +228,9 @@ def main(argv=None) -> int:
                 f"{1 - r['coverage_on_over_off']:+.2%})"
             )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(shown_paths({"args": vars(args), "results": results}), indent=1)
+        )
     return 0 if all(r["outputs_equal_stock"] for r in results) else 1
 
 

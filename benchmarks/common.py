@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmark scripts: synthetic hot maps and interleaved timing stats."""
+"""Shared pieces of the benchmark scripts: synthetic hot maps, interleaved timing stats and the
+paths that results print."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ import argparse
 import math
 import os
 import statistics
+import tempfile
+from pathlib import Path
 
 import torch
+
+from sglang_frspec.demo.fixtures import cache_root
+
+REPO = Path(os.path.abspath(__file__)).parent.parent
 
 # Hot ids per eighth of a Llama-3 vocab for a top-32768 map (the reference anchors' estimate:
 # TP8 per-rank counts; summing neighbours gives the TP4 and TP2 rows of the same table).
@@ -93,6 +100,49 @@ def rotated(names: list[str], repeat: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
+def _shown_roots() -> tuple[tuple[str, Path], ...]:
+    """The folders results name paths under, by label, the most specific first."""
+    return (
+        ("<cache>", cache_root()),
+        (".", REPO),
+        ("<tmp>", Path(tempfile.gettempdir())),
+        ("~", Path.home()),
+    )
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """``path`` as results print it, never absolute, so a result reads the same on every machine:
+    under ``<cache>`` (the fixture cache, ``cache_root()``), relative to the repository, or under
+    ``<tmp>`` or ``~``; elsewhere only its name (``.../name``)."""
+    path = Path(os.path.abspath(path))
+    for label, root in _shown_roots():
+        root = Path(os.path.abspath(root))
+        if path.is_relative_to(root):
+            return (Path(label) / path.relative_to(root)).as_posix()
+    return f".../{path.name}"
+
+
+def shown_paths(data: object) -> object:
+    """JSON-able ``data`` with every absolute path in it (a string or ``os.PathLike``) as ``shown_path``."""
+    if isinstance(data, dict):
+        return {key: shown_paths(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [shown_paths(value) for value in data]
+    if isinstance(data, os.PathLike) or (isinstance(data, str) and os.path.isabs(data)):
+        return shown_path(data)
+    return data
+
+
+def local_path(shown: str) -> str:
+    """This machine's path of a ``shown_path`` under ``<cache>``, ``<tmp>`` or ``~`` (a result's
+    map, read back); any other path as it is."""
+    label, _, rest = shown.partition("/")
+    roots = {name: root for name, root in _shown_roots() if name != "."}  # "." paths: as they are
+    return str(roots[label] / rest) if label in roots else shown
+
+
 def fixture_map(fixture, name: str) -> str:
-    """The path of a trained-fixture map by name (``code_128``), or ``name`` itself if it is a file."""
-    return name if os.path.isfile(name) else fixture.token_map(name)
+    """The path of a trained-fixture map by name (``code_128``), or ``name`` itself if it is a file
+    (also as a result shows it: ``<tmp>/maps/m.pt``)."""
+    path = local_path(name)
+    return path if os.path.isfile(path) else fixture.token_map(name)

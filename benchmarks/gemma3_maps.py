@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import shown_path
 
 from sglang_frspec.core.plan import vocab_shard_ranges
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env
@@ -268,11 +269,11 @@ def main(argv=None) -> int:
     timings["total"] = time.monotonic() - started
 
     report = {
-        "target": target,
+        "target": shown_path(target),
         "vocab": vocab,
         "hidden": hidden,
         "args": {k: v for k, v in vars(args).items() if k not in ("out", "json", "work_dir", "report")},
-        "work": str(work),
+        "work": shown_path(work),
         "tokens": {name: c.num_tokens for name, c in ({**counts, **evaluation}).items()},
         "distinct": {name: int((c.counts > 0).sum()) for name, c in ({**counts, **evaluation}).items()},
         "prompts": {"train": 2 * args.prompts, **{d: args.held_out_prompts for d in HELD_OUT}},

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
 
 from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
+from common import shown_path  # noqa: E402
 from qwen3_5_cpu import SERVER_ARGS as HYBRID_ARGS  # noqa: E402
 from qwen3_5_cpu import SERVER_ENV as HYBRID_ENV  # noqa: E402
 from qwen3_5_cpu import modelopt_target, nextn_args, qwen3_5_target, qwen3_next_target  # noqa: E402
@@ -111,14 +112,14 @@ def run_server(case: Case, log_path: Path, speculative: bool) -> dict:
             outs = server.generate(PROMPTS, NEW_TOKENS)
             log = server.log()
     except (ServerError, OSError):  # OSError: the server died mid-request (connection reset)
-        return {"error": first_error(log_path.read_text(errors="replace")), "log": str(log_path),
+        return {"error": first_error(log_path.read_text(errors="replace")), "log": shown_path(log_path),
                 "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
     return {
         "output_ids": [o["output_ids"] for o in outs],
         "accept_lengths": [o["meta_info"].get("spec_accept_length") for o in outs],
         "plugin": plugin_activity(log),
         "seconds": round(time.monotonic() - start, 1),
-        "log": str(log_path),
+        "log": shown_path(log_path),
     }
 
 
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = {row["name"]: row for row in json.loads(args.out.with_suffix(".json").read_text())["rows"]}
     for name in args.only or SWEPT:
         print(f"== {name}", flush=True)
-        rows[name] = sweep_one(name, log_dir) | {"logs": str(log_dir), "cpu_count": os.cpu_count()}
+        rows[name] = sweep_one(name, log_dir) | {"logs": shown_path(log_dir), "cpu_count": os.cpu_count()}
         print(f"   {rows[name]['status']}: {rows[name].get('error', '')}", flush=True)
         if args.out:  # after every architecture, so an interrupted sweep keeps what it served
             write(args.out, [rows[n] for n in SWEPT if n in rows])

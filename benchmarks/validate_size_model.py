@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
-from common import fixture_map  # noqa: E402
+from common import fixture_map, shown_path, shown_paths  # noqa: E402
 
 from sglang_frspec.core import canonical_hot_ids, read_token_map  # noqa: E402
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
@@ -244,9 +244,9 @@ def main(argv=None) -> int:
         "results": results,
         "batch_tail": tail,
     }
-    print(f"\ncounts and logs: {out}\n{format_report(report)}")
+    print(f"\ncounts and logs: {shown_path(out)}\n{format_report(report)}")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        Path(args.json).write_text(json.dumps(shown_paths(report), indent=1))
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 sys.path.insert(0, str(BENCH))
-from common import median_interval  # noqa: E402
+from common import local_path, median_interval, shown_path, shown_paths  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -23,6 +24,33 @@ def test_median_interval_is_the_binomial_order_statistic_interval(n, ranks):
     """Textbook 95% ranks (1-based) of the distribution-free median interval; shuffled input."""
     samples = [float(x) for x in range(1, n + 1)][::-1]
     assert median_interval(samples) == tuple(float(r) for r in ranks)
+
+
+def test_results_show_paths_relative_to_the_repository_or_a_named_root(monkeypatch, tmp_path):
+    """What results print for a path: never absolute (they read the same on every machine), the
+    fixture cache's folders under ``<cache>``, and back to this machine's path for a map."""
+    monkeypatch.setenv("SGLANG_FRSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", "/home/someone")
+    tmp = Path(tempfile.gettempdir())
+    cases = {
+        BENCH / "common.py": "benchmarks/common.py",
+        BENCH.parent: ".",
+        tmp_path / "cache" / "fixtures" / "perm-1" / "target": "<cache>/perm-1/target",
+        tmp / "run-1" / "logs": "<tmp>/run-1/logs",
+        "/home/someone/maps/m.pt": "~/maps/m.pt",
+        "/srv/data/logs": ".../logs",
+    }
+    for path, shown in cases.items():
+        assert shown_path(path) == shown, path
+        if shown.startswith(("<", "~")):
+            assert local_path(shown) == str(path)
+    assert local_path("code_128") == "code_128"  # a fixture map's name
+    data = {"log_dir": str(tmp / "run-1" / "logs"), "maps": ["code_128", BENCH / "m.pt"], "tp": [1, 2]}
+    assert shown_paths(data) == {
+        "log_dir": "<tmp>/run-1/logs",
+        "maps": ["code_128", "benchmarks/m.pt"],
+        "tp": [1, 2],
+    }
 
 
 def run(script: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
