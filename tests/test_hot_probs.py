@@ -1,11 +1,13 @@
-"""Rejection sampling with a map: the draft's hot probabilities laid over the target vocab
-(``core/hot_probs.py``), and the exchange rule's pick, against an independent reference."""
+"""Sampling with a map: the draft's hot probabilities laid over the target vocab for rejection
+sampling (``core/hot_probs.py``), the exchange rule's pick, and a PD decode node's received drafts
+through the target-only verify, against independent references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from sglang_frspec.core import HotWireOrder, canonical_hot_ids
 from sglang_frspec.core.exchange_rule import exchange_at_start
 from sglang_frspec.core.hot_probs import lay_hot_probs_over_vocab
 from sglang_frspec.core.plan import plan_from_ranges
@@ -88,27 +90,76 @@ def test_rejection_sampling_with_a_hot_draft_commits_the_target_distribution():
     assert chi2 < 40, (chi2, committed / n, p)
 
 
-def test_target_only_sampling_of_hot_drafts_commits_the_target_distribution():
-    """SGLang's default sampling verify (the CPU site's torch version of the CUDA tree kernel)
-    with two sibling drafts from the map: the committed token follows p, whatever the drafts.
-    Seeded; a chi-square over 12 tokens at 40."""
+def _target_only_law(p: torch.Tensor, siblings: list[int]) -> torch.Tensor:
+    """Reference law of the token SGLang's target-only tree verify commits after a root whose
+    children are the sibling drafts ``siblings`` (leaves), from the kernel's definition: sibling i
+    is taken when the coin falls in [sum of p over the siblings before it, that sum + p(sibling i));
+    after all are rejected the token comes from p with the siblings' tokens removed."""
+    law, tried = torch.zeros_like(p), 0.0
+    for token in siblings:
+        taken = min(tried + float(p[token]), 1.0) - tried
+        law[token] += taken
+        tried += taken
+    rest = p.clone()
+    rest[siblings] = 0
+    return law + (1.0 - tried) * rest / rest.sum()
+
+
+def test_target_only_sampling_of_pd_received_drafts_commits_the_target_distribution():
+    """A PD decode node's first verify: the plugin reads the received rows of file positions as hot
+    indices (``HotWireOrder.from_wire``, as its hook on SGLang's draft-input builder does), and
+    SGLang's default sampling verify (the CPU site's torch version of the CUDA tree kernel, checked
+    in test_cpu_standin_sampling.py) takes them as sibling drafts. Rows hold positions beyond the
+    decode node's map (a stock prefill node with a longer map), one beside a real position 0, and
+    two positions of one id (the file repeats it): the committed token follows p in every case.
+
+    The law check is the server tests' (``sampling_law``: classes most probable / other map ids /
+    outside the map, seeded, level 0.001); its simulated power against reading outside positions as
+    position 0 (the same token twice as siblings, committed with twice its probability; simulated
+    from ``_target_only_law``) must be at least 0.99: it is 1.0."""
+    from tests.harness import sampling_law as law
     from tests.test_cpu_standin_sampling import ops
 
+    vocab, n = 12, 2000
+    decode_file = [9, 2, 5, 0, 9, 7]  # FR-Spec's list format: unsorted, the most frequent id repeated
+    hot = canonical_hot_ids(torch.tensor(decode_file), vocab)
+    wire = HotWireOrder.of(torch.tensor(decode_file), hot)
+    # A stock prefill node with the map decode_file + [3, 11] (positions 6, 7 beyond this node's),
+    # top-k 2: two outside, a real position 0 beside an outside one, positions 4 and 0 (both id 9),
+    # and an ordinary row.
+    kinds = torch.tensor([[6, 7], [0, 6], [4, 0], [1, 2]])
+    received = kinds.repeat(n // len(kinds), 1)
+    siblings = hot.ids[wire.from_wire(received)]
     g = torch.Generator().manual_seed(7)
-    n, vocab = 20000, 12
-    p = torch.tensor([0.02, 0.05, 0.2, 0.1, 0.05, 0.1, 0.03, 0.12, 0.08, 0.05, 0.1, 0.1])
-    candidates = torch.tensor([0, 9, 2]).expand(n, 3).contiguous()  # root, then two hot siblings
+    logits = torch.randn(n // len(kinds), vocab, generator=g)
+    logits[:, 9] += 2.0  # the file's first id is often the most probable, as FR-Spec's map expects
+    p = torch.softmax(logits, -1).repeat_interleave(len(kinds), 0)  # four rows per context
+    candidates = torch.cat([torch.zeros(n, 1, dtype=torch.int64), siblings], 1)  # root, two siblings
     next_token = torch.tensor([1, -1, -1]).expand(n, 3).contiguous()
     next_sibling = torch.tensor([-1, 2, -1]).expand(n, 3).contiguous()
     predicts = torch.full((3 * n,), -1, dtype=torch.int32)
     ops.tree_speculative_sampling_target_only(
         predicts, torch.full((n, 2), -1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32), candidates,
         torch.arange(3 * n).view(n, 3), next_token, next_sibling, torch.rand(n, 3, generator=g),
-        torch.rand(n, generator=g), p.expand(n, 3, vocab).contiguous(), torch.zeros(n, 3, vocab),
+        torch.rand(n, generator=g), p.unsqueeze(1).expand(n, 3, vocab).contiguous(), torch.zeros(n, 3, vocab),
     )  # fmt: skip
-    committed = torch.bincount(predicts[0::3].long(), minlength=vocab).float()  # the root's next token
-    chi2 = float(((committed - n * p) ** 2 / (n * p)).sum())
-    assert chi2 < 40, (chi2, committed / n, p)
+    committed = predicts[0::3].tolist()  # the root's next token
+    in_map = torch.zeros(vocab, dtype=torch.bool)
+    in_map[hot.ids] = True
+    result = law.check_law(law.class_probs(p, in_map), law.classes_of(committed, p, in_map), 0.001)
+    # The fault (the plugin before this check): each position read on its own, an outside one as
+    # position 0 (id 9), so three row kinds of four draft 9 twice. With distinct siblings the
+    # reference law is p itself.
+    for r in range(len(kinds)):
+        torch.testing.assert_close(_target_only_law(p[r], siblings[r].tolist()), p[r])
+    read_as_0 = [
+        [decode_file[i] if i < len(decode_file) else decode_file[0] for i in row] for row in received.tolist()
+    ]
+    wrong = torch.stack([_target_only_law(p[r], read_as_0[r]) for r in range(n)])
+    power = law.power(result, law.class_probs(wrong, in_map))
+    print(f"{result}; power against reading outside positions as position 0: {power}")
+    assert power >= 0.99, power
+    assert result.p_value > 0.001, str(result)
 
 
 def test_the_law_checks_fault_model_is_what_the_verify_commits():

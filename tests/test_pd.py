@@ -23,7 +23,8 @@ REORDERED = HOT
 # positions (6 and 7 are >= the 6 distinct ids), the plugin canonical indices.
 STOCK_PICKED = [[7, 1], [6, 3]]
 PLUGIN_PICKED = [[5, 0], [3, 1]]
-LONGER_STOCK_PICKED = [[9, 8], [1, 0]]  # positions 8, 9 lie beyond FILE_IDS
+# Positions 8, 9 lie beyond FILE_IDS; 6 and 0 both hold id 2 (stock drafts a repeated id twice).
+LONGER_STOCK_PICKED = [[9, 8], [1, 0], [0, 9], [6, 0]]
 LONGER_PLUGIN_PICKED = [[7, 6], [5, 0]]  # canonical: 600, 500 | 300, 2
 PD_NODE = {"disaggregation_mode": "decode", "speculative_algorithm": "EAGLE", "speculative_eagle_topk": 2,
            "speculative_num_steps": 2, "speculative_num_draft_tokens": 4}  # fmt: skip
@@ -55,6 +56,7 @@ def nodes(perm) -> tuple[list[dict], list[dict], list[dict]]:
         ("decode", 1, REORDERED),  # 7: plugin -> plugin with the same ids sorted
         ("decode_rejection", 1, FILE_IDS),  # 8: plugin -> plugin under rejection sampling
         ("decode_rejection", stock[0]["wire"], FILE_IDS),  # 9: stock -> plugin, the same
+        ("decode_rejection", stock[1]["wire"], FILE_IDS),  # 10: stock with a longer map -> plugin, the same
     ])  # fmt: skip
     stock_decode = _node(perm, False, [("decode", plugin[1]["wire"], FILE_IDS),
                                        ("decode", stock[0]["wire"], FILE_IDS)])  # fmt: skip
@@ -79,17 +81,25 @@ def test_stock_and_plugin_nodes_agree_on_the_drafted_tokens_in_every_direction(n
     assert stock_to_stock == {"tokens": stock_prefill["tokens"], "warnings": []}
 
 
-def test_a_decode_node_with_a_shorter_map_drafts_its_first_id_and_warns_once(nodes):
+def test_a_decode_node_with_a_shorter_map_drafts_distinct_map_ids_and_warns_once(nodes):
     """A stock prefill node (no tag) whose map is longer sends positions beyond the decode node's
-    map: those draft the map's first id, in range (no IndexError: a device assert on CUDA); the
-    others are read as usual; one warning names the cause and the fix."""
+    map: those draft the map's first ids that their row does not hold, in range (no IndexError: a
+    device assert on CUDA), so a request's sibling drafts stay distinct (the target-only tree
+    verify commits a token drafted twice with twice its probability); so do two positions of one
+    id. The others are read as usual; one warning names the cause and the fix. Under rejection
+    sampling the first verify's q is one-hot at the token drafted in their place."""
     (_, longer_stock_prefill), plugin, _ = nodes
-    assert longer_stock_prefill["tokens"] == [[600, 500], [300, 2]]
-    first, again = plugin[3], plugin[4]
-    assert first["tokens"] == again["tokens"] == [[FILE_IDS[0], FILE_IDS[0]], [300, 2]]
+    assert longer_stock_prefill["tokens"] == [[600, 500], [300, 2], [2, 600], [2, 2]]
+    first, again, rejection = plugin[3], plugin[4], plugin[10]
+    # FILE_IDS in file order: 2, 300, ... (2 is position 0, FR-Spec's most frequent id).
+    assert first["tokens"] == again["tokens"] == [[2, 300], [300, 2], [2, 300], [2, 300]]
     (warning,) = first["warnings"]
-    assert "received 2 hot index(es) beyond this node's token map of 8 entries" in warning
+    assert "received 3 hot index(es) beyond this node's token map of 8 entries" in warning
     assert "the prefill node loaded a longer map and sent no map tag (stock SGLang" in warning
+    assert "replaced by this map's first ids that their request does not already draft" in warning
+    assert "sampled ones keep the target's distribution" in warning
+    assert rejection["tokens"] == first["tokens"]
+    assert rejection["proposal"] == [[(row[0], 1.0)] for row in first["tokens"]]
     assert "Load the same --speculative-token-map file on every node" in warning
     assert again["warnings"] == []
 

@@ -104,21 +104,49 @@ def test_wire_order_maps_file_positions_and_canonical_indices_both_ways():
     file_ids = torch.tensor([2, 300, 5, 9, 5, 17, 2, 40])  # FR-Spec's list: unsorted, repeats
     hot = canonical_hot_ids(file_ids, 1000)
     wire = HotWireOrder.of(file_ids, hot)
-    positions = torch.arange(file_ids.numel())
-    assert torch.equal(hot.ids[wire.from_wire(positions)], file_ids)  # every position, repeats too
+    positions = torch.arange(file_ids.numel()).unsqueeze(1)  # each its own request, top-k 1
+    assert torch.equal(hot.ids[wire.from_wire(positions)].flatten(), file_ids)  # repeats too
     canonical = torch.arange(len(hot))
     assert torch.equal(file_ids[wire.to_wire(canonical)], hot.ids)
     assert wire.to_wire(canonical).tolist() == [0, 2, 3, 5, 7, 1]  # each id's first position
     assert wire.to_wire(torch.tensor([[5, 0], [3, 1]])).shape == (2, 2)
 
 
-def test_wire_order_reads_positions_outside_the_map_as_its_first_id_and_refuses_another_maps_tag():
+def _distinct_drafts(rows: list[list[int]], file_ids: list[int]) -> list[list[int]]:
+    """Reference: the ids a decode node drafts for received rows of file positions. A slot keeps
+    its position's id when the position is in the file and no earlier slot kept that id; the other
+    slots take, in turn, the file's ids in file order that no kept slot holds."""
+    out = []
+    for row in rows:
+        kept: list[int | None] = []
+        for position in row:
+            fits = 0 <= position < len(file_ids) and file_ids[position] not in kept
+            kept.append(file_ids[position] if fits else None)
+        spares = iter([t for t in dict.fromkeys(file_ids) if t not in kept])
+        out.append([t if t is not None else next(spares) for t in kept])
+    return out
+
+
+def test_wire_order_makes_outside_and_repeated_positions_distinct_map_ids_and_refuses_another_maps_tag():
+    """A received row is one request's sibling drafts: positions outside this map, and positions
+    whose id an earlier slot already holds, become the file's first ids the row lacks, so no token
+    is drafted twice (the target-only tree verify would commit it with twice its probability)."""
     file_ids = torch.tensor([2, 300, 5, 9, 5, 17, 2, 40])
     hot = canonical_hot_ids(file_ids, 1000)
     wire = HotWireOrder.of(file_ids, hot)
-    # Positions of a longer map (8, 9) and a corrupt one (-3): the file's first id, in range.
-    received = torch.tensor([[9, 1], [8, -3], [7, 0]])
-    assert hot.ids[wire.from_wire(received)].tolist() == [[2, 300], [2, 2], [40, 2]]
+    # Positions of a longer map (8, 9), a corrupt one (-3), a real position 0 beside an outside
+    # one, and positions 0 and 6 (both id 2: a stock sender's file repeats it), at top-k 2 and 4.
+    received = torch.tensor([[9, 1], [8, -3], [7, 0], [9, 0], [0, 6]])
+    assert hot.ids[wire.from_wire(received)].tolist() == [[2, 300], [2, 300], [40, 2], [300, 2], [2, 300]]
+    wide = torch.tensor([[9, 9, 9, 0], [4, 2, 3, 1]])
+    assert hot.ids[wire.from_wire(wide)].tolist() == [[300, 5, 9, 2], [5, 2, 9, 300]]
+    g = torch.Generator().manual_seed(5)
+    for width in range(1, 7):  # the map holds 6 distinct ids: top-k up to 6
+        rows = torch.randint(-2, 12, (200, width), generator=g)
+        drafted = hot.ids[wire.from_wire(rows)].tolist()
+        assert drafted == _distinct_drafts(rows.tolist(), file_ids.tolist()), width
+        assert all(len(set(row)) == width for row in drafted), width
+    received = received[:3]
     rows = torch.zeros(3, 16, dtype=torch.int64)
     rows[:, :2] = received
     assert wire.count_outside(rows, 2) == 3

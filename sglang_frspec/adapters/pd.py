@@ -9,9 +9,11 @@ run stock SGLang, the wire carries stock's order: a plugin prefill node translat
 the metadata buffer is filled, a plugin decode node just after the draft input is built. Both
 nodes must load the same map file (SGLang requires it of stock nodes too): a plugin prefill node
 writes its map's tag (``HotWireOrder.tag``) into the row's spare last slot, and a plugin decode
-node refuses rows tagged with another map's tag (stock nodes write and read no tag). Positions
-outside the decode node's map (an untagged sender with a longer map) draft its first id instead,
-with a warning once.
+node refuses rows tagged with another map's tag (stock nodes write and read no tag). A position
+outside the decode node's map (an untagged sender with a longer map), or one repeating an id its
+row already holds, drafts the first id of the map file that the row does not hold instead
+(``HotWireOrder.from_wire``: a row's drafts are siblings, and the target-only tree verify would
+commit a token drafted twice with twice its probability); outside positions are warned about once.
 
 Under rejection sampling the decode node's first verify reads a proposal distribution q that stock
 builds one-hot at the received index over the *target* vocab (``pd_first_draft_proposal``: the
@@ -79,15 +81,18 @@ def from_wire_after_draft_input(spec_info, batch, *args, **kwargs):
         logger.warning(
             "[sglang-frspec] prefill/decode: received %d hot index(es) beyond this node's token "
             "map of %d entries: the prefill node loaded a longer map and sent no map tag (stock "
-            "SGLang, or a top-k that fills the metadata row). Those first drafts use this map's "
-            "first id instead: "
-            "outputs stay exact (the target verifies every draft), accept lengths drop. Load "
-            "the same --speculative-token-map file on every node. (Logged once.)",
+            "SGLang, or a top-k that fills the metadata row). Those first drafts are replaced by "
+            "this map's first ids that their request does not already draft, so each request's "
+            "drafts stay distinct and the target verifies them as any others: greedy outputs stay "
+            "the target's greedy tokens and sampled ones keep the target's distribution, accept "
+            "lengths drop. Load the same --speculative-token-map file on every node. (Logged once.)",
             outside,
             _wire_order.file_to_canonical.numel(),
         )
+    # A replaced slot keeps its received score in topk_p: scores only rank the draft tree's nodes.
     spec_info.topk_index = _wire_order.from_wire(spec_info.topk_index)
-    if spec_info.draft_probs is not None:  # rejection sampling: q over the hot columns
+    if spec_info.draft_probs is not None:  # rejection sampling: q over the hot columns, one-hot
+        # at the tokens drafted (replacements included), so the first verify stays exact
         # Imported here: a name SGLang lost is the contract check's to report, not an ImportError.
         from sglang.srt.speculative.eagle_disaggregation import pd_first_draft_proposal
 

@@ -118,37 +118,63 @@ class HotWireOrder:
 
     canonical_to_file: torch.Tensor  # int64 [H]: canonical hot index -> first file position of its id
     file_to_canonical: torch.Tensor  # int64 [len(file)]: file position -> canonical hot index
+    by_file_order: torch.Tensor  # int64 [H]: canonical hot indices by first file position
     # Names the file's ids in file order (what a position on the wire means): equal files, equal
     # tags. Negative, so a receiver never reads it as a hot index.
     tag: int
 
     @classmethod
     def of(cls, file_ids: torch.Tensor, hot: HotIds) -> HotWireOrder:
-        """The two maps for a file's ids (in range: ``hot`` was made from them)."""
+        """The maps for a file's ids (in range: ``hot`` was made from them)."""
         file_ids = file_ids.to(torch.int64)
         file_to_canonical = torch.searchsorted(hot.ids, file_ids)
         positions = torch.arange(file_ids.numel(), dtype=torch.int64)
         canonical_to_file = torch.full((len(hot),), file_ids.numel(), dtype=torch.int64)
         canonical_to_file.scatter_reduce_(0, file_to_canonical, positions, reduce="amin")
+        by_file_order = torch.argsort(canonical_to_file)  # first positions are distinct: no ties
         digest = hashlib.sha256(file_ids.cpu().numpy().astype("<i8").tobytes()).digest()
-        return cls(canonical_to_file, file_to_canonical, -1 - (int.from_bytes(digest[:8], "little") >> 2))
+        tag = -1 - (int.from_bytes(digest[:8], "little") >> 2)
+        return cls(canonical_to_file, file_to_canonical, by_file_order, tag)
 
     def to(self, device: torch.device | str) -> HotWireOrder:
-        return HotWireOrder(self.canonical_to_file.to(device), self.file_to_canonical.to(device), self.tag)
+        return HotWireOrder(
+            self.canonical_to_file.to(device),
+            self.file_to_canonical.to(device),
+            self.by_file_order.to(device),
+            self.tag,
+        )
 
     def to_wire(self, hot_index: torch.Tensor) -> torch.Tensor:
         """Canonical hot indices as stock SGLang's file positions (same shape)."""
         return self.canonical_to_file.to(hot_index.device)[hot_index]
 
-    def from_wire(self, file_index: torch.Tensor) -> torch.Tensor:
-        """File positions (as a stock node ships them) as canonical hot indices (same shape).
+    def from_wire(self, rows: torch.Tensor) -> torch.Tensor:
+        """Received first drafts ``[requests, topk]`` (file positions, as a stock node ships them)
+        as canonical hot indices, distinct within each row.
 
-        A position outside this map (the sender's map is longer) reads as position 0, the
-        file's first id (FR-Spec's most frequent), by a select on the device: no host sync,
-        no out-of-range gather (a device assert on CUDA). ``count_outside`` tells the host."""
-        table = self.file_to_canonical.to(file_index.device)
-        inside = (file_index >= 0) & (file_index < table.numel())
-        return table[torch.where(inside, file_index, 0)]
+        A row's slots are sibling drafts of one tree node, and SGLang's target-only tree verify adds
+        each sibling's target mass before its coin test: a token drafted twice would be committed
+        with twice its probability. So a slot whose position lies outside this map (the sender's
+        map is longer), or whose id an earlier slot of the row already holds (a stock sender's file
+        repeats ids), takes the map file's first ids (FR-Spec's most frequent) that the row does
+        not hold, in file order. Such a slot is then a proposal like any other, verified exactly;
+        under rejection sampling (top-k 1) the proposal q is built one-hot at it. All on the device
+        (no host sync, no out-of-range gather: a device assert on CUDA), the same on every rank;
+        ``count_outside`` tells the host."""
+        table = self.file_to_canonical.to(rows.device)
+        inside = (rows >= 0) & (rows < table.numel())
+        hot = table[torch.where(inside, rows, 0)]
+        width = rows.shape[-1]
+        earlier = torch.ones(width, width, dtype=torch.bool, device=rows.device).tril(-1)  # [i, j]: j < i
+        repeats = ((hot.unsqueeze(-1) == hot.unsqueeze(-2)) & earlier & inside.unsqueeze(-2)).any(-1)
+        kept = inside & ~repeats
+        # The map's first ``width`` ids in file order hold enough free ones: the map has at least
+        # top-k ids (check_hot_ids_cover_topk), and each kept slot takes at most one of them.
+        spares = self.by_file_order[:width].to(rows.device)
+        taken = ((hot.unsqueeze(-1) == spares) & kept.unsqueeze(-1)).any(-2)  # [..., spares]
+        free = spares[torch.argsort(taken.to(torch.int8), dim=-1, stable=True)]  # untaken first, in order
+        nth = (torch.cumsum(~kept, dim=-1) - 1).clamp(min=0)  # each replaced slot's rank among them
+        return torch.where(kept, hot, free.gather(-1, nth))
 
     def count_outside(self, received: torch.Tensor, num_states: int) -> int:
         """Check the rows a PD decode node received ([requests, width] as SGLang's metadata
