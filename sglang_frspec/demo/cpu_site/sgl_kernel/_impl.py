@@ -239,7 +239,11 @@ def decode_attention_cpu(
         k_buffer[loc.long()] = k_new.reshape(-1, *k_buffer.shape[1:]).to(k_buffer.dtype)
         v_buffer[loc.long()] = v_new.reshape(-1, *v_buffer.shape[1:]).to(v_buffer.dtype)
     for b, (req, seq_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
-        idx = req_to_token[req, :seq_len].long()
+        # A sliding-window layer reads its last ``window`` keys, its own included (sgl-kernel's
+        # decode.cpp; the intel_amx backend passes the layer's sliding_window_size + 1, 0 for a
+        # full-attention layer): the key at position k is seen from position p when k > p - window.
+        first = max(seq_len - window, 0) if window > 0 else 0
+        idx = req_to_token[req, first:seq_len].long()
         out = _attend(q[b : b + 1], k_buffer[idx] * k_scale, v_buffer[idx] * v_scale, sm_scale, logit_cap)
         o[b] = out[0].to(o.dtype)
 
@@ -317,6 +321,11 @@ def extend_attention_cpu(
             allowed = torch.arange(seq_len)[None, :] <= (prefix + torch.arange(ext))[:, None]
         else:
             allowed = None
+        if window > 0:
+            # As sgl-kernel's extend.cpp: the extend's row i stands at position prefix + i (also
+            # under a tree mask, whose rows are not positions) and sees keys after it - window.
+            in_window = torch.arange(seq_len)[None, :] > (prefix + torch.arange(ext))[:, None] - window
+            allowed = in_window if allowed is None else allowed & in_window
         out = _attend(
             q_extend[start : start + ext], keys * k_scale, values * v_scale, sm_scale, logit_cap, allowed
         )
