@@ -26,7 +26,15 @@ from sglang_frspec.adapters.contract_check import (
     Signature,
     problems,
 )
-from sglang_frspec.adapters.hooks import EAGLE_V2, HOOKS, REPORTER, SCHEDULER, WEIGHT_UPDATER, WORKER
+from sglang_frspec.adapters.hooks import (
+    DRAFT_GRAPH,
+    EAGLE_V2,
+    HOOKS,
+    REPORTER,
+    SCHEDULER,
+    WEIGHT_UPDATER,
+    WORKER,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +98,15 @@ CONTRACT: tuple[Entry, ...] = (
     Signature("sglang.srt.runtime_context:_ConfigBag.override", "(self, **kwargs)"),
     Attribute("sglang.srt.speculative.eagle_info:EagleVerifyInput.draft_probs"),
     Attribute("sglang.srt.configs.model_config:ModelConfig.vocab_size"),
+    # ... the draft-decode CUDA graph's q buffer, an idle batch's q, and where no graph is captured
+    Attribute(f"{DRAFT_GRAPH}.eagle_worker"),
+    Attribute(f"{DRAFT_GRAPH}.buffers"),
+    Attribute("sglang.srt.speculative.eagle_draft_cuda_graph_runner:EagleDraftInputBuffers.draft_probs"),
+    Attribute("sglang.srt.managers.schedule_batch:ScheduleBatch.spec_info"),
+    Signature("sglang.srt.utils.common:is_cpu", "()"),
+    Signature("sglang.srt.model_executor.cuda_graph_config:check_cuda_graph_backend", "(phase, backend)"),
+    Attribute("sglang.srt.model_executor.cuda_graph_config:Phase.DECODE"),
+    Attribute("sglang.srt.model_executor.cuda_graph_config:Backend.DISABLED"),
     Signature("sglang.srt.speculative.spec_info:SpeculativeAlgorithm.is_eagle3", "(self)"),
     Attribute("sglang.srt.managers.tp_worker:TpModelWorker.model_runner"),
     Attribute("sglang.srt.managers.tp_worker:TpModelWorker.model_config"),  # adapt.py: the EOS ids

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 WORKER = "sglang.srt.speculative.eagle_worker_v2:EagleDraftWorker"
 EAGLE_V2 = "sglang.srt.speculative.eagle_worker_v2:EAGLEWorkerV2"
+DRAFT_GRAPH = "sglang.srt.speculative.eagle_draft_cuda_graph_runner:EAGLEDraftCudaGraphRunner"
 WEIGHT_UPDATER = "sglang.srt.managers.scheduler_components.weight_updater:SchedulerWeightUpdaterManager"
 REPORTER = "sglang.srt.managers.scheduler_components.metrics_reporter:SchedulerMetricsReporter"
 SCHEDULER = "sglang.srt.managers.scheduler:Scheduler"
@@ -43,6 +44,14 @@ HOOKS: tuple[Hook, ...] = (
         "(self, memory_pool_config=, req_to_token_pool=, token_to_kv_pool_allocator=)",
     ),
     Hook(f"{WORKER}.draft", f"{ON_WORKER}after_draft", "AFTER", "(self, batch, *, with_topology=)"),
+    # ... and every q the draft-decode CUDA graph reads made H wide: its buffer, an idle batch's
+    Hook(
+        f"{DRAFT_GRAPH}.capture_one_shape",
+        f"{ON_WORKER}around_draft_graph_capture_one_shape",
+        "AROUND",
+        "(self, size, forward, stream_idx=, variant_label=, attention_variant=)",
+    ),
+    Hook(f"{WORKER}.draft", f"{ON_WORKER}before_draft", "BEFORE", "(self, batch, *, with_topology=)"),
     # coverage.py: counters over the hot head installed just above (this hook wraps that one)
     Hook(f"{WORKER}.init_lm_head", f"{ON_COVERAGE}install_after_init_lm_head", "AFTER", "(self)"),
     Hook(

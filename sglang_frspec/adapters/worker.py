@@ -19,8 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
+from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang.srt.runtime_context import get_parallel, get_spec
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
+from sglang.srt.utils.common import is_cpu
 
 from sglang_frspec.adapters import pd
 from sglang_frspec.adapters.head import (
@@ -32,6 +35,7 @@ from sglang_frspec.adapters.head import (
     find_head_shard,
     quantized_head_bytes,
 )
+from sglang_frspec.adapters.hooks import ON_WORKER, hooked_targets
 from sglang_frspec.adapters.logits import FrSpecLogitsProcessor
 from sglang_frspec.adapters.state import FrSpecState, attach_state, state_of
 from sglang_frspec.adapters.token_map import load_token_map_ids
@@ -80,6 +84,10 @@ def _rejection_sampling() -> bool:
     return _REJECTION_SAMPLING.get() or bool(get_spec().speculative_use_rejection_sampling)
 
 
+# The hook that sizes the draft-decode CUDA graph's q buffer for a hot draft (below).
+_GRAPH_Q_HOOKS = hooked_targets(f"{ON_WORKER}around_draft_graph_capture_one_shape")
+
+
 def around_alloc_memory_pool(original: Callable, worker, *args, **kwargs) -> None:
     """AROUND hook: lift stock's start-up refusal of rejection sampling with a hot vocab (its
     FIXME "scatter draft probs into the target vocab"): ``after_draft`` does that scatter. Stock's
@@ -87,12 +95,55 @@ def around_alloc_memory_pool(original: Callable, worker, *args, **kwargs) -> Non
     spec = get_spec()
     if not (_uses_token_map(worker) and spec.speculative_use_rejection_sampling):
         return original(worker, *args, **kwargs)
+    _check_draft_graph_takes_hot_q()
     token = _REJECTION_SAMPLING.set(True)
     try:
         with spec.override(speculative_use_rejection_sampling=False):
             return original(worker, *args, **kwargs)
     finally:
         _REJECTION_SAMPLING.reset(token)
+
+
+def _check_draft_graph_takes_hot_q() -> None:
+    """Every rank alike (the same server arguments): refuse rejection sampling with a map where
+    SGLang will capture the draft-decode CUDA graph without the plugin's hook that sizes its q
+    buffer (the drop-in worker without the plugin): the capture would fail with a shape error."""
+    if any(target not in HookRegistry._patched for target in _GRAPH_Q_HOOKS) and not (
+        is_cpu() or check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)
+    ):
+        raise UnsupportedSetupError(
+            "--speculative-use-rejection-sampling with --speculative-token-map under CUDA graphs "
+            "needs sglang-frspec's hook on the draft-decode graph runner ("
+            + ", ".join(_GRAPH_Q_HOOKS)
+            + "), which is not active: the graph's draft-probability buffer is as wide as the "
+            "target vocab, the map's draft probabilities are not. Load the plugin (SGLANG_PLUGINS "
+            "must include frspec), or pass --disable-cuda-graph."
+        )
+
+
+def around_draft_graph_capture_one_shape(original: Callable, runner, *args, **kwargs):
+    """AROUND hook on ``EAGLEDraftCudaGraphRunner.capture_one_shape``: under rejection sampling
+    the runner allocates its q buffer (``spec_info.draft_probs`` at replay, stacked in
+    ``draft_forward`` with each step's q) as wide as the draft model's vocab; with a map q has
+    one column per hot id. Re-allocated H wide before the first shape is captured (each shape
+    captures slices of it); SGLang's own V-wide buffer stays unused."""
+    worker, buffers = runner.eagle_worker, runner.buffers
+    width = worker.hot_token_id.numel() if state_of(worker) is not None else None
+    if buffers.draft_probs is not None and width is not None and buffers.draft_probs.shape[1] != width:
+        buffers.draft_probs = buffers.draft_probs.new_zeros((buffers.draft_probs.shape[0], width))
+    return original(runner, *args, **kwargs)
+
+
+def before_draft(worker, batch, *args, **kwargs) -> None:
+    """BEFORE hook on ``draft``: an idle batch's q (``EagleDraftInput.create_idle_input``, as wide
+    as the target vocab) made as wide as the hot q, since an idle DP rank replays the draft-decode
+    graph with the others and the replay copies q into the H-wide buffer. Empty either way."""
+    q = getattr(batch.spec_info, "draft_probs", None)
+    if state_of(worker) is None or q is None or not batch.forward_mode.is_idle():
+        return None
+    if q.shape[-1] != worker.hot_token_id.numel():
+        batch.spec_info.draft_probs = q.new_empty((0, worker.hot_token_id.numel()))
+    return None
 
 
 def after_draft(result, worker, *args, **kwargs):
@@ -292,6 +343,7 @@ class ShardedFRSpecEagleDraftWorker(EagleDraftWorker):
         around_alloc_memory_pool(lambda _worker, *a, **k: parent(*a, **k), self, *args, **kwargs)
 
     def draft(self, batch, **kwargs):
+        before_draft(self, batch)
         return after_draft(super().draft(batch, **kwargs), self)
 
 
