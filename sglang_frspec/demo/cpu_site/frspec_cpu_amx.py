@@ -19,6 +19,7 @@ shared-expert gate's Triton launch is the stand-in's, and ``torch.get_device_mod
 CPU module when there is no CUDA.
 """
 
+import functools
 import importlib
 from collections.abc import Callable
 
@@ -88,7 +89,23 @@ def register() -> None:
         # A CUDA build reports CUDA as the accelerator without a driver, so get_device_module()
         # is torch.cuda, and Qwen3-Next's GDN norm asks it for the device
         # (models/qwen3_next.py:235,252): with no device given, the CPU module answers.
-        get_device_module = torch.get_device_module
-        torch.get_device_module = lambda device=None: get_device_module(
-            device if device is not None else "cpu"
-        )
+        torch.get_device_module = _cpu_by_default(torch.get_device_module)
+
+
+def _cpu_by_default(get_device_module: Callable) -> Callable:
+    """``torch.get_device_module`` answering the CPU module when no device is given.
+
+    Cached as torch's own is (``functools.cache``): Dynamo registers a handler for
+    ``torch.get_device_module.__wrapped__`` when it first traces a torch function
+    (``torch/_dynamo/variables/torch.py:2507``), so a plain function there fails every
+    ``torch.compile``d function at its first call (Gemma 3's rotary embedding,
+    ``rotary_embedding/utils.py:96``; the EAGLE draft's ``_select_top_k_tokens_later``,
+    ``speculative/spec_utils.py:437``); under the cache that handler also takes this function's
+    calls inside compiled code.
+    """
+
+    @functools.cache
+    def cpu_by_default(device=None):
+        return get_device_module(device if device is not None else "cpu")
+
+    return cpu_by_default
