@@ -16,10 +16,9 @@ size needs a trained draft and is not measured here.
     python benchmarks/gemma3_maps.py --out docs/results/gemma3-maps.txt --json docs/results/gemma3-maps.json
     python benchmarks/gemma3_maps.py --report docs/results/gemma3-maps.json
 
-Keep ``--prompt-chars`` and ``--max-new-tokens`` small: the CPU attention stand-in ignores Gemma 3's
-512-token sliding window (``MAX_SEQUENCE`` of the fixture), so longer sequences are not Gemma 3's.
-On the shared 2-core CPU of docs/results/gemma3-maps.txt each generated token of a 16-request
-batch took about 1 s (0.87 tokens/s): the defaults are sized to that.
+Keep ``--prompt-chars`` and ``--max-new-tokens`` small: on the shared 2-core CPU of
+docs/results/gemma3-maps.txt each generated token of a 16-request batch took about 1 s
+(0.87 tokens/s): the defaults are sized to that.
 """
 
 from __future__ import annotations

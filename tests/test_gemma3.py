@@ -8,9 +8,11 @@ map, EAGLE + a 32768-id map through the plugin) must decode every run as plain g
 greedy as Transformers. Gemma 3's tied head reaches the draft as each rank's row slice of an
 embedding table every rank holds whole (``Gemma3ForCausalLM.get_embed_and_head``).
 
-Every sequence stays under 512 tokens (``MAX_SEQUENCE``): the project's CPU attention stand-in
-(``sglang_frspec/demo/cpu_site/sgl_kernel``) ignores Gemma 3's 512-token sliding window, so a
-longer sequence would not be decoded as Gemma 3 decodes it.
+The TP=1 batch also holds a prompt of 700 tokens, past Gemma 3's 512-token sliding window: the
+CPU attention stand-in (``sglang_frspec/demo/cpu_site/sgl_kernel``) must apply the window as
+Gemma 3 does. The demo's servers run with torch.compile on (the CPU environment turns it off
+elsewhere, to save its warm-up): the CPU site's torch patches must leave SGLang's compiled
+functions (Gemma 3's rotary embedding, the EAGLE draft's top-k) traceable.
 
 One server or server set runs at a time (a TP=2 server of this model holds about 7.5 GB: 2.7 GB
 per rank, 2.2 GB in its launcher and detokenizer).
@@ -21,12 +23,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 
 from sglang_frspec.cli import build_parser
 from sglang_frspec.cli import demo as demo_command
-from sglang_frspec.demo.gemma3 import MAX_PERPLEXITY, MAX_SEQUENCE, NEW_TOKENS, SERVER_ARGS, gemma3_fixture
+from sglang_frspec.demo.gemma3 import MAX_PERPLEXITY, NEW_TOKENS, SERVER_ARGS, gemma3_fixture
 from tests.conftest import fixture_server
 from tests.harness.greedy import TIE_EPSILON, compare_greedy
 from tests.harness.zygote import forked_launch
@@ -47,10 +50,12 @@ def gemma3():
 
 @pytest.fixture(scope="module")
 def plain_tp1(gemma3, tmp_path_factory):
-    """Every prompt decoded greedily in one batch by a plain TP=1 server."""
+    """Every prompt, then the prompt past the sliding window, decoded greedily in one batch by a
+    plain TP=1 server."""
     log = tmp_path_factory.mktemp("gemma3-plain") / "tp1.log"
+    prompts = [*gemma3.prompts, gemma3.past_window[0]]
     with fixture_server(gemma3, 1, log, extra=SERVER_ARGS, eagle=False) as server:
-        return [o["output_ids"] for o in server.generate(gemma3.prompts, NEW_TOKENS, ignore_eos=True)]
+        return [o["output_ids"] for o in server.generate(prompts, NEW_TOKENS, ignore_eos=True)]
 
 
 @pytest.fixture(scope="module")
@@ -62,21 +67,31 @@ def demo(gemma3, tmp_path_factory):
     argv = ["demo", "--requests", str(len(gemma3.prompts)), "--log-dir", str(folder)]
     args = build_parser().parse_args([*argv, "--json", str(folder / "demo.json")])
     stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
+    with contextlib.redirect_stdout(stdout), pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCHDYNAMO_DISABLE", "0")  # torch.compile on in the servers (cpu_env keeps it)
         status = demo_command.run(args, launch=forked_launch)
     assert status == 0, stdout.getvalue()[-4000:]
     return {"stdout": stdout.getvalue(), **json.loads((folder / "demo.json").read_text())}
 
 
-def test_fixture_is_the_converted_model_inside_the_sliding_window(gemma3):
+def test_fixture_is_the_converted_model_with_a_prompt_past_the_sliding_window(gemma3):
     assert gemma3.report["perplexity"] < MAX_PERPLEXITY  # checked by the build, on held-out prose
-    assert all(p[0] == 2 for p in gemma3.prompts)  # BOS (id 2) leads every prompt
-    assert max(len(p) for p in gemma3.prompts) + NEW_TOKENS < MAX_SEQUENCE
-    assert all(len(r) == NEW_TOKENS for r in gemma3.reference)
+    past_prompt, past_reference = gemma3.past_window
+    assert all(p[0] == 2 for p in [*gemma3.prompts, past_prompt])  # BOS (id 2) leads every prompt
+    assert all(len(r) == NEW_TOKENS for r in [*gemma3.reference, past_reference])
+    config = json.loads((Path(gemma3.target) / "config.json").read_text())
+    assert "sliding_attention" in config["layer_types"]
+    assert len(past_prompt) > config["sliding_window"] == 512
 
 
 def test_plain_greedy_at_tp1_equals_transformers(gemma3, plain_tp1):
-    compare_greedy(gemma3.target, gemma3.prompts, plain_tp1, gemma3.reference, HF_TIE_EPSILON)
+    compare_greedy(gemma3.target, gemma3.prompts, plain_tp1[:-1], gemma3.reference, HF_TIE_EPSILON)
+
+
+def test_plain_greedy_past_the_sliding_window_equals_transformers(gemma3, plain_tp1):
+    """700 prompt tokens and 48 generated: every step of the sliding-window layers sees the window."""
+    past_prompt, past_reference = gemma3.past_window
+    compare_greedy(gemma3.target, [past_prompt], plain_tp1[-1:], [past_reference], HF_TIE_EPSILON)
 
 
 def test_plain_greedy_at_tp2_equals_transformers(gemma3, demo):

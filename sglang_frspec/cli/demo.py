@@ -72,8 +72,7 @@ def add_parser(subparsers) -> None:
         "--max-new-tokens",
         type=int,
         default=48,
-        help="tokens per request (default 48; on CPU Gemma 3 stays exact while prompt + output < 512 "
-        "tokens: the CPU attention stand-in has no sliding window)",
+        help="tokens per request (default 48)",
     )
     p.add_argument("--steps", type=int, default=2, help="--speculative-num-steps")
     p.add_argument("--topk", type=int, default=2, help="--speculative-eagle-topk")

@@ -21,9 +21,9 @@ process, so the calling process never holds the dequantized model:
   ``sglang_frspec.demo.texts``) is below ``MAX_PERPLEXITY``;
 - ``reference.json``: the prompts (``DEMO_PROMPTS``, then ``HELD_OUT_PROMPTS`` taken from held-out
   prose) as token ids and their ``NEW_TOKENS`` greedy tokens from HF's ``generate`` on the
-  checkpoint (EOS does not stop it, as ``ignore_eos`` does not stop a server); every prompt plus
-  its continuation stays under ``MAX_SEQUENCE`` tokens (the project's CPU attention stand-in
-  ignores Gemma's 512-token sliding window);
+  checkpoint (EOS does not stop it, as ``ignore_eos`` does not stop a server); and, apart from
+  them, a prompt past Gemma 3's 512-token sliding window (the first ``PAST_WINDOW_TOKENS`` ids of
+  a held-out standard-library module) with its ``NEW_TOKENS`` greedy tokens;
 - ``counts_text.pt`` and ``map_<n>.pt`` for ``MAP_SIZES``: token counts of the training text (the
   standard library's training code and the first half of the topics) and the ``n`` most frequent
   ids (``build_token_map``, ``rebuild_token_map``);
@@ -49,7 +49,6 @@ from sglang_frspec.demo.fixtures import ModelFixture, cache_root, cached_build, 
 from sglang_frspec.demo.texts import stdlib_texts
 
 VOCAB = 262144
-MAX_SEQUENCE = 512  # Gemma 3's sliding window: the CPU attention stand-in is exact below it
 # Measured here: 20.2 on these 2048 tokens (the second half of the topics opens with grammar
 # rules and tables). A broken conversion (norms left as 1 + w, a permuted Q/K, no BOS) gives
 # hundreds or more.
@@ -65,6 +64,7 @@ DEMO_PROMPTS = (
     "Once upon a time,",
 )
 HELD_OUT_PROMPTS, PROMPT_TOKENS = 3, 40
+PAST_WINDOW_TOKENS = 700  # BOS and held-out code, past the 512-token sliding window
 NEW_TOKENS = 48
 MAP_SIZES = (4096, 8192, 16384, 32768, 65536)
 # float32 (see above); and token ids in and out: no server process loads the 262144-id tokenizer.
@@ -107,6 +107,13 @@ class Gemma3Fixture(ModelFixture):
     def reference(self) -> list[list[int]]:
         """HF float32 greedy continuations of ``prompts`` (``NEW_TOKENS`` each)."""
         return json.loads((self.root / "reference.json").read_text())["greedy"]
+
+    @property
+    def past_window(self) -> tuple[list[int], list[int]]:
+        """A prompt past the sliding window (held-out standard-library code, BOS first) and its
+        HF float32 greedy continuation (``NEW_TOKENS``); not among ``prompts``, which the demo shows."""
+        past = json.loads((self.root / "reference.json").read_text())["past_window"]
+        return past["prompt"], past["greedy"]
 
 
 def _gguf_digest() -> str:
@@ -218,6 +225,19 @@ def _prompts(tokenizer, held_out: list[str]) -> list[list[int]]:
     return [tokenizer(text).input_ids for text in DEMO_PROMPTS] + held
 
 
+def _past_window_prompt(tokenizer, held_code: list[str], window: int) -> list[int]:
+    """The first ``PAST_WINDOW_TOKENS`` ids (BOS first) of the first held-out module that long."""
+    if window >= PAST_WINDOW_TOKENS:
+        raise RuntimeError(
+            f"PAST_WINDOW_TOKENS ({PAST_WINDOW_TOKENS}) does not pass the {window}-token window"
+        )
+    for text in held_code:
+        ids = tokenizer(text).input_ids
+        if len(ids) >= PAST_WINDOW_TOKENS:
+            return ids[:PAST_WINDOW_TOKENS]
+    raise RuntimeError(f"no held-out standard-library module has {PAST_WINDOW_TOKENS} tokens")
+
+
 def _count_training_text(root: Path, target: Path, texts: list[str]) -> dict:
     """``counts_text.pt`` and ``map_<n>.pt`` for ``MAP_SIZES``; returns each map's ids per TP=2 half."""
     from sglang_frspec.core.plan import vocab_shard_ranges
@@ -268,7 +288,7 @@ def _build(root: Path) -> None:
     log("save", started, "float32 safetensors, config, BOS tokenizer; reload checked")
 
     started = time.monotonic()
-    train_code, _, train_prose, held_out = stdlib_texts()
+    train_code, held_code, train_prose, held_out = stdlib_texts()
     stream = tokenizer("\n\n".join(held_out), add_special_tokens=False).input_ids
     perplexity = _perplexity(model, stream, tokenizer.bos_token_id)
     report["perplexity"] = round(perplexity, 3)
@@ -279,13 +299,19 @@ def _build(root: Path) -> None:
     started = time.monotonic()
     prompts = _prompts(tokenizer, held_out)
     greedy = _greedy(model, prompts)
-    if max(len(p) for p in prompts) + NEW_TOKENS >= MAX_SEQUENCE:
-        raise RuntimeError(f"a prompt plus {NEW_TOKENS} tokens reaches the {MAX_SEQUENCE}-token window")
+    past = _past_window_prompt(tokenizer, held_code, model.config.sliding_window)
+    past_window = {"prompt": past, "greedy": _greedy(model, [past])[0]}
     del model
     gc.collect()
-    (root / "reference.json").write_text(json.dumps({"prompts": prompts, "greedy": greedy}))
+    (root / "reference.json").write_text(
+        json.dumps({"prompts": prompts, "greedy": greedy, "past_window": past_window})
+    )
     report["samples"] = [tokenizer.decode(p + g) for p, g in zip(prompts, greedy)]
-    log("reference", started, f"HF greedy, {len(prompts)} prompts x {NEW_TOKENS} tokens")
+    log(
+        "reference",
+        started,
+        f"HF greedy, {len(prompts)} prompts + 1 of {len(past)} ids x {NEW_TOKENS} tokens",
+    )
 
     started = time.monotonic()
     report["map_ids_per_tp2_half"] = _count_training_text(root, target, train_code + train_prose)
