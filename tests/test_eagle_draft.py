@@ -73,3 +73,53 @@ def test_shipped_gemma3_draft_is_small_complete_and_servable_at_tp2():
     assert all(v.dtype == torch.bfloat16 and v.isfinite().all() for v in shipped.values())
     report = json.loads((SHIPPED / "training.json").read_text())
     assert report["parameters"] == sum(v.numel() for v in shipped.values())
+
+
+def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tmp_path, request):
+    """Every stage of the shipped draft's pipeline (``tests/harness/draft_data.py``) on the small
+    permutation fixture, whose target continues any hot id x with pi(x): the trained draft agrees
+    with the target on held-out continuations where the untrained one does not, the offline chain
+    then accepts every draft, and a run stopped half-way and resumed ends at the same draft, bit
+    for bit, as a run that never stopped."""
+    from sglang_frspec.demo.fixtures import perm_fixture
+    from tests.harness.draft_data import DraftRun
+
+    fixture = perm_fixture(vocab_size=512, hidden_size=64, num_hot=64)
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    torch.set_num_threads(1)  # a model this small: one thread is fastest (two crawl on a loaded machine)
+    chain = " ".join(f"w{i}" for i in fixture.chain)  # stays inside the hot set
+    domains = {"chain": ([chain] * 4, [chain])}
+    shape = LayerShape(64, 2, 2, 32, 128)
+
+    def run(work: Path) -> DraftRun:
+        return DraftRun(work, Path(fixture.target), Path(fixture.token_map()), shape, log=lambda _: None)
+
+    def prepare(work: Path) -> DraftRun:
+        r = run(work)
+        r.corpus(domains, seq=24, prompt=8, gen_seqs=24, text_seqs=24, eval_seqs=4)
+        r.generate(batch=16)
+        r.features(topk=4, shard=16)
+        return r
+
+    train = dict(batch=4, lr=1e-2, ce_weight=1.0, unroll=2, save_every=3)
+    whole = prepare(tmp_path / "whole")
+    whole.train(epochs=2.0, stop_at=0, **train)  # no step yet: the untrained draft
+    before = whole.evaluate(steps=3)
+    whole.train(epochs=2.0, **train)
+    after = whole.evaluate(steps=3)
+
+    agree = after["held_out_top1_agreement"]["chain_generated"]["agreement"]
+    assert before["held_out_top1_agreement"]["chain_generated"]["agreement"] < 0.3
+    assert agree > 0.95
+    assert after["offline_chain"]["chain_generated"]["tokens_per_verify"] > 3.5  # 4 at most
+    assert after["data"]["steps"] == 24  # 2 epochs of 48 sequences in batches of 4
+    # Both halves of the training data took part: 24 windows of text, 24 continuations.
+    assert after["data"]["text_windows"] == 24 and after["data"]["generated_sequences"] == 24
+
+    stopped = prepare(tmp_path / "stopped")
+    stopped.train(epochs=2.0, stop_at=11, **train)  # a run stopped after 11 of 24 steps
+    run(tmp_path / "stopped").train(epochs=2.0, **train)
+    resumed, straight = stopped.trained_draft(), whole.trained_draft()
+    assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)

@@ -24,8 +24,10 @@ What SGLang 0.5.23 hands the draft (``sglang/srt``), which training must reprodu
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -214,3 +216,26 @@ def first_step_agreement(
             out = draft_hidden(draft, embed, ids[i : i + 1, 1:], features[i : i + 1, :-1].float(), shape)
             rows.append((out @ head.T).argmax(-1) == (features[i : i + 1, 1:].float() @ head.T).argmax(-1))
     return torch.cat(rows)
+
+
+def save_eagle_draft(out: Path, draft: dict, cfg: dict, shape: LayerShape) -> None:
+    """``draft`` as SGLang loads a ``LlamaForCausalLMEagle`` (safetensors without embedding or
+    head) and its Llama config, carrying the target's ``cfg`` vocabulary, token ids and norm eps."""
+    from safetensors.torch import save_file
+
+    from sglang_frspec.demo.fixtures import llama_config
+
+    config = llama_config(
+        "LlamaForCausalLMEagle", cfg["vocab_size"], shape.hidden, 1, shape.inter, shape.heads
+    )
+    shared = ("bos_token_id", "eos_token_id", "pad_token_id", "rms_norm_eps", "max_position_embeddings")
+    config |= {key: cfg[key] for key in shared if key in cfg}
+    config |= {
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "rope_theta": shape.rope_theta,
+        "torch_dtype": str(next(iter(draft.values())).dtype).removeprefix("torch."),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in draft.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")

@@ -1,0 +1,476 @@
+"""Self-distillation data and resumable training for an EAGLE draft of any Transformers target.
+
+``DraftRun`` keeps every stage's output under one work folder, in shards a later run skips, so a
+stopped run resumes where it stopped: ``corpus`` (token windows, prompts and held-out sets of seeded
+draws), ``generate`` (the target's greedy continuations of the prompts, bfloat16 with a KV cache),
+``features`` (the float32 target's final normed hidden states and its top-k next-token
+probabilities over the hot head), ``train`` (AdamW, checkpointed) and ``evaluate`` (held-out
+first-step agreement and offline chain accept lengths). The draft model and its forward are
+``tests/harness/eagle_draft.py``'s, which reproduce SGLang's ``LlamaForCausalLMEagle``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import sys
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tests.harness.eagle_draft import LayerShape, adam, draft_hidden, init_draft
+
+HELD_OUT_EVERY = 8  # a file is held out when its name's hash is 7 mod 8
+ROW_CHUNK = 1024  # rows per hot-head matmul in the loss: [1024, H] logits
+MAX_FILE_CHARS = 200_000  # longer package files are mostly generated tables
+
+
+def stderr_log() -> Callable[[str], None]:
+    started = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - started:8.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def held_out(name: str) -> bool:
+    """Whether a file (by its name relative to its root) is held out: 1 in ``HELD_OUT_EVERY``."""
+    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
+
+
+def package_texts(suffixes: tuple[str, ...], chars: int) -> tuple[list[str], list[str]]:
+    """(training, held-out) texts of installed packages' files with these suffixes, in hash order
+    until about ``chars`` characters: the same files wherever the same versions are installed."""
+    root = Path(sysconfig.get_paths()["purelib"])
+    files = [p for p in root.glob("**/*") if p.suffix in suffixes or p.name in suffixes]
+    files.sort(key=lambda p: hashlib.sha256(str(p.relative_to(root)).encode()).hexdigest())
+    train: list[str] = []
+    held: list[str] = []
+    total = 0
+    for path in files:
+        if total >= chars:
+            break
+        if path.stat().st_size > MAX_FILE_CHARS:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        (held if held_out(str(path.relative_to(root))) else train).append(text)
+        total += len(text)
+    return train, held
+
+
+def gemma3_domains() -> dict[str, tuple[list[str], list[str]]]:
+    """Offline text by domain, (training, held-out) each. Code: the standard library's modules (the
+    split of ``sglang_frspec/demo/texts.py``) and installed packages' sources; prose: the language
+    reference's topics (that split) and installed packages' docs and package descriptions."""
+    from sglang_frspec.demo.texts import stdlib_texts
+
+    code, held_code, topics, held_topics = stdlib_texts()
+    pkg_code, pkg_held_code = package_texts((".py",), 8_000_000)
+    docs, held_docs = package_texts((".md", ".rst", "METADATA"), 4_000_000)
+    return {
+        "code": (code + pkg_code, held_code + pkg_held_code),
+        "prose": (topics + docs, held_topics + held_docs),
+    }
+
+
+def windows(streams: list[list[int]], count: int, seq: int, bos: int, rng: random.Random) -> list[list[int]]:
+    """``count`` windows of BOS + ``seq`` - 1 tokens, each from a stream drawn by its length."""
+    streams = [s for s in streams if len(s) >= seq]
+    weights = [len(s) for s in streams]
+    out = []
+    for s in rng.choices(streams, weights, k=count):
+        start = rng.randrange(len(s) - seq + 2)
+        out.append([bos, *s[start : start + seq - 1]])
+    return out
+
+
+def split_even(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+@torch.no_grad()
+def greedy_continuations(model, prompts: torch.Tensor, new: int, suppress: list[int]) -> torch.Tensor:
+    """``prompts [B, P]`` followed by the model's ``new`` greedy tokens (``suppress`` ids never
+    chosen, so every row has the same length), with a KV cache: ``[B, P + new]``."""
+    from transformers import DynamicCache
+
+    head = model.get_output_embeddings().weight
+    out = model.model(input_ids=prompts, past_key_values=DynamicCache(config=model.config), use_cache=True)
+    tokens = []
+    for i in range(new):
+        logits = out.last_hidden_state[:, -1] @ head.T
+        logits[:, suppress] = -math.inf
+        tokens.append(logits.argmax(-1))
+        if i + 1 < new:
+            out = model.model(
+                input_ids=tokens[-1][:, None], past_key_values=out.past_key_values, use_cache=True
+            )
+    return torch.cat([prompts, torch.stack(tokens, 1)], 1)
+
+
+@torch.no_grad()
+def target_features(
+    model, ids: torch.Tensor, head: torch.Tensor, topk: int, argmax: bool = False
+) -> dict[str, torch.Tensor]:
+    """The target's final normed hidden states at ``ids [B, S]`` (float16) and its top-k
+    probabilities over ``head``'s rows (positions into the hot head); with ``argmax``, its greedy
+    token over the full vocabulary too."""
+    feats = model.model(input_ids=ids).last_hidden_state
+    assert feats.abs().max() < 6e4, "features overflow float16"
+    probs, top = (feats @ head.T).softmax(-1).topk(topk, -1)
+    out = {"feats": feats.half(), "top": top.int(), "probs": probs.half()}
+    if argmax:
+        full = model.get_output_embeddings().weight
+        out["argmax"] = torch.stack([(f @ full.T).argmax(-1) for f in feats])
+    return out
+
+
+def sparse_head_loss(
+    out: torch.Tensor, head: torch.Tensor, top: torch.Tensor, probs: torch.Tensor
+) -> torch.Tensor:
+    """Mean cross-entropy of the draft's distribution over ``head``'s rows (bfloat16 matmul)
+    against the target's top-k probabilities renormalized (``top``, ``probs`` ``[..., K]``)."""
+    rows, top, probs = out.flatten(0, -2), top.flatten(0, -2).long(), probs.flatten(0, -2).float()
+    probs = probs / probs.sum(-1, keepdim=True)
+    total = torch.zeros(())
+    for i in range(0, rows.shape[0], ROW_CHUNK):
+        logits = (rows[i : i + ROW_CHUNK].bfloat16() @ head.T).float()
+        log_q = logits.gather(1, top[i : i + ROW_CHUNK]) - logits.logsumexp(-1, keepdim=True)
+        total = total - (probs[i : i + ROW_CHUNK] * log_q).sum()
+    return total / rows.shape[0]
+
+
+def unrolled_loss(
+    draft: dict,
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    shape: LayerShape,
+    gen: torch.Generator,
+    unroll: int,
+    ce_weight: float,
+    noise: float = 0.2,
+) -> torch.Tensor:
+    """EAGLE's loss over ``unroll`` draft steps on ``batch`` (ids ``[B, S+1]`` and the target's
+    features and top-k at them): position t reads (token t+1, feature t) and must give feature
+    t+1 and the target's distribution there; each later step reads the step before's outputs, as
+    the served draft reads its own. Step one's features get uniform noise of width ``noise``."""
+    ids, feats = batch["ids"], batch["feats"].float()
+    seq = ids.shape[1] - 1
+    inputs = feats[:, : seq - 1] + (torch.rand(feats[:, : seq - 1].shape, generator=gen) - 0.5) * noise
+    loss = torch.zeros(())
+    for step in range(unroll):
+        end = seq - 1 - step
+        out = draft_hidden(draft, embed, ids[:, 1 + step : 1 + step + end], inputs[:, :end], shape)
+        goal = slice(1 + step, 1 + step + end)
+        ce = sparse_head_loss(out, head, batch["top"][:, goal], batch["probs"][:, goal])
+        loss = loss + F.smooth_l1_loss(out, feats[:, goal]) + ce_weight * ce
+        inputs = out
+    return loss / unroll
+
+
+def save_atomic(obj, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+@dataclass
+class DraftRun:
+    """One draft's data, training and evaluation under ``work`` (every stage resumable)."""
+
+    work: Path
+    target: Path
+    token_map: Path
+    shape: LayerShape
+    seed: int = 0
+    log: Callable[[str], None] = field(default_factory=stderr_log)
+
+    def __post_init__(self) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+
+    def _model(self, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.target, dtype=dtype).eval()
+
+    @property
+    def _corpus(self) -> dict:
+        return torch.load(self.work / "corpus.pt")
+
+    def corpus(
+        self,
+        domains: dict[str, tuple[list[str], list[str]]],
+        *,
+        seq: int,
+        prompt: int,
+        gen_seqs: int,
+        text_seqs: int,
+        eval_seqs: int,
+    ) -> None:
+        """Tokenize ``domains`` and draw the training windows, generation prompts and held-out sets
+        (``corpus.pt``; kept if present)."""
+        if (self.work / "corpus.pt").exists():
+            return self.log("corpus: kept")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.target)
+        rng = random.Random(self.seed)
+        out: dict = {"seq": seq, "prompt": prompt, "text": [], "prompts": [], "held": {}, "held_prompts": {}}
+        counts = {}
+        for (name, (train, held)), n_text, n_gen in zip(
+            domains.items(), split_even(text_seqs, len(domains)), split_even(gen_seqs, len(domains))
+        ):
+            train_ids = tok(train, add_special_tokens=False).input_ids
+            held_ids = tok(held, add_special_tokens=False).input_ids
+            out["text"] += windows(train_ids, n_text, seq, tok.bos_token_id, rng)
+            out["prompts"] += [w[:prompt] for w in windows(train_ids, n_gen, prompt, tok.bos_token_id, rng)]
+            out["held"][name] = windows(held_ids, eval_seqs, seq, tok.bos_token_id, rng)
+            out["held_prompts"][name] = [
+                w[:prompt] for w in windows(held_ids, eval_seqs, prompt, tok.bos_token_id, rng)
+            ]
+            counts[name] = {
+                "train_files": len(train),
+                "held_out_files": len(held),
+                "train_tokens": sum(map(len, train_ids)),
+                "held_out_tokens": sum(map(len, held_ids)),
+            }
+            self.log(f"corpus {name}: {counts[name]}")
+        out["counts"] = counts
+        save_atomic(out, self.work / "corpus.pt")
+
+    def _all_prompts(self) -> list[list[int]]:
+        corpus = self._corpus
+        return corpus["prompts"] + [p for ps in corpus["held_prompts"].values() for p in ps]
+
+    def generate(self, batch: int) -> None:
+        """The target's bfloat16 greedy continuations of every prompt (training, then held-out),
+        up to ``seq`` tokens, in shards of ``batch`` (``gen/``; present shards are skipped)."""
+        corpus = self._corpus
+        prompts = self._all_prompts()
+        folder = self.work / "gen"
+        folder.mkdir(exist_ok=True)
+        todo = [i for i in range(0, len(prompts), batch) if not (folder / f"{i:06d}.pt").exists()]
+        if not todo:
+            return self.log("generate: kept")
+        model = self._model(torch.bfloat16)
+        eos = (
+            [model.config.eos_token_id]
+            if isinstance(model.config.eos_token_id, int)
+            else model.config.eos_token_id
+        )
+        suppress = sorted({*eos, model.config.pad_token_id or 0})
+        for i in todo:
+            started = time.monotonic()
+            rows = torch.tensor(prompts[i : i + batch])
+            seqs = greedy_continuations(model, rows, corpus["seq"] - corpus["prompt"], suppress)
+            save_atomic(seqs, folder / f"{i:06d}.pt")
+            made = rows.shape[0] * (corpus["seq"] - corpus["prompt"])
+            rate = made / (time.monotonic() - started)
+            self.log(f"generate {i + rows.shape[0]}/{len(prompts)}: {rate:.0f} tok/s")
+
+    def _sequences(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Training sequences (windows then continuations) and held-out sets by name."""
+        corpus = self._corpus
+        gens = torch.cat([torch.load(p) for p in sorted((self.work / "gen").glob("*.pt"))])
+        assert gens.shape[0] == len(self._all_prompts()), "generate is not finished"
+        n_train = len(corpus["prompts"])
+        train = torch.cat([torch.tensor(corpus["text"]), gens[:n_train]])
+        held = {f"{name}_text": torch.tensor(w) for name, w in corpus["held"].items()}
+        start = n_train
+        for name, prompts in corpus["held_prompts"].items():
+            held[f"{name}_generated"] = gens[start : start + len(prompts)]
+            start += len(prompts)
+        return train, held
+
+    def hot(self) -> torch.Tensor:
+        return torch.as_tensor(torch.load(self.token_map)).long()
+
+    def features(self, topk: int, shard: int = 32) -> None:
+        """The float32 target's features, top-k over the hot head and full argmax of every training
+        sequence (``feat/``, in shards of ``shard``) and held-out set (``held.pt``)."""
+        train, held = self._sequences()
+        folder = self.work / "feat"
+        folder.mkdir(exist_ok=True)
+        todo = [i for i in range(0, train.shape[0], shard) if not (folder / f"{i:06d}.pt").exists()]
+        if not todo and (self.work / "held.pt").exists():
+            return self.log("features: kept")
+        model = self._model(torch.float32)
+        head = model.get_output_embeddings().weight[self.hot()]
+        if not (self.work / "held.pt").exists():
+            sets = {
+                name: {"ids": ids} | target_features(model, ids, head, topk, argmax=True)
+                for name, ids in held.items()
+            }
+            save_atomic(sets, self.work / "held.pt")
+        for i in todo:
+            started = time.monotonic()
+            ids = train[i : i + shard]
+            save_atomic({"ids": ids} | target_features(model, ids, head, topk), folder / f"{i:06d}.pt")
+            rate = ids.numel() / (time.monotonic() - started)
+            self.log(f"features {i + ids.shape[0]}/{train.shape[0]}: {rate:.0f} tok/s")
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's unscaled embedding table (what SGLang hands the draft) and its hot head."""
+        model = self._model(torch.float32)
+        embed = model.get_input_embeddings().weight.detach()
+        return embed, model.get_output_embeddings().weight.detach()[self.hot()]
+
+    def train(
+        self,
+        *,
+        batch: int,
+        epochs: float,
+        lr: float,
+        ce_weight: float,
+        unroll: int,
+        save_every: int,
+        stop_at: int | None = None,
+    ) -> None:
+        """AdamW over the draft for ``epochs`` passes over the training sequences, resuming from
+        ``checkpoint.pt`` (saved every ``save_every`` steps and where the run stops). ``stop_at``
+        ends this run after that step, as an interrupted run would: the next call goes on."""
+        shards = [torch.load(p) for p in sorted((self.work / "feat").glob("*.pt"))]
+        data = {k: torch.cat([s[k] for s in shards]) for k in ("ids", "feats", "top", "probs")}
+        count, tokens = data["ids"].shape[0], data["ids"].shape[1] - 1
+        steps = int(epochs * count) // batch
+        end = steps if stop_at is None else min(stop_at, steps)
+        path = self.work / "checkpoint.pt"
+        state = torch.load(path) if path.exists() else None
+        start = state["step"] if state else 0
+        if state is not None and start >= end:
+            return self.log(f"train: kept at step {start}")
+        embed, head = self._tables()
+        head = head.bfloat16()
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        draft = state["draft"] if state else init_draft(self.shape.hidden, self.shape, gen)
+        opt, sched = adam(draft, max(steps, 1), lr)
+        losses = state["losses"] if state else []
+        if state is not None:
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+        self.log(f"train: {count} sequences of {tokens + 1} tokens, steps {start}..{end} of {steps}")
+
+        def save(step: int) -> None:
+            params = {k: v.detach() for k, v in draft.items()}
+            state = {"step": step, "draft": params, "opt": opt.state_dict(), "sched": sched.state_dict()}
+            save_atomic(state | {"losses": losses}, path)
+
+        per_epoch = count // batch
+        started = time.monotonic()
+        for step in range(start, end):
+            epoch, index = divmod(step, per_epoch)
+            order = torch.randperm(count, generator=torch.Generator().manual_seed(self.seed + 100 + epoch))
+            rows = order[index * batch : (index + 1) * batch]
+            noise = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+            rows_data = {k: v[rows] for k, v in data.items()}
+            loss = unrolled_loss(draft, embed, head, rows_data, self.shape, noise, unroll, ce_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(round(loss.item(), 4))
+            done = step + 1
+            if done % save_every == 0 or done == end:
+                save(done)
+                rate = (done - start) * batch * tokens / (time.monotonic() - started)
+                recent = losses[-save_every:]
+                self.log(
+                    f"train step {done}/{steps}: loss {sum(recent) / len(recent):.3f} ({rate:.0f} tok/s)"
+                )
+        if start == end:  # nothing to train: the draft as it stands, for evaluate
+            save(start)
+
+    def trained_draft(self) -> dict[str, torch.Tensor]:
+        """The trained draft in bfloat16, as shipped."""
+        return {k: v.to(torch.bfloat16) for k, v in torch.load(self.work / "checkpoint.pt")["draft"].items()}
+
+    @torch.no_grad()
+    def evaluate(self, steps: int) -> dict:
+        """Held-out first-step top-1 agreement (the draft's argmax over the hot head against the
+        target's over the full vocabulary) per set, and offline chain accept lengths (``steps``
+        steps, top-k 1) on the held-out continuations."""
+        state = torch.load(self.work / "checkpoint.pt")
+        draft = {k: v.to(torch.bfloat16).float() for k, v in state["draft"].items()}  # as served
+        embed, head = self._tables()
+        hot = self.hot()
+        held = torch.load(self.work / "held.pt")
+        report: dict = {"held_out_top1_agreement": {}, "offline_chain": {}}
+        for name, s in held.items():
+            out = draft_hidden(draft, embed, s["ids"][:, 1:], s["feats"][:, :-1].float(), self.shape)
+            drafted = hot[(out @ head.T).argmax(-1)]
+            agree = (drafted == s["argmax"][:, 1:]).float()
+            report["held_out_top1_agreement"][name] = {
+                "agreement": round(float(agree.mean()), 4),
+                "positions": agree.numel(),
+            }
+            self.log(f"agreement {name}: {report['held_out_top1_agreement'][name]}")
+            if name.endswith("_generated"):
+                prompt = self._corpus["prompt"]
+                counts = [
+                    c
+                    for ids, feats in zip(s["ids"], s["feats"])
+                    for c in chain_accept(
+                        draft, embed, head, hot, self.shape, ids.tolist(), prompt, feats, steps
+                    )
+                ]
+                report["offline_chain"][name] = {
+                    "tokens_per_verify": round(sum(counts) / len(counts), 4),
+                    "verifies": len(counts),
+                    "sequences": len(s["ids"]),
+                }
+                self.log(f"chain {name}: {report['offline_chain'][name]}")
+        corpus = self._corpus
+        report["data"] = {
+            "domains": corpus["counts"],
+            "sequence_tokens": corpus["seq"],
+            "text_windows": len(corpus["text"]),
+            "generated_sequences": len(corpus["prompts"]),
+            "training_tokens": (len(corpus["text"]) + len(corpus["prompts"])) * corpus["seq"],
+            "generated_tokens": len(corpus["prompts"]) * (corpus["seq"] - corpus["prompt"]),
+            "steps": state["step"],
+        }
+        report["losses_every_100_steps"] = [
+            round(sum(state["losses"][i : i + 100]) / len(state["losses"][i : i + 100]), 4)
+            for i in range(0, len(state["losses"]), 100)
+        ]
+        report["draft"] = {
+            "class": "LlamaForCausalLMEagle",
+            "parameters": sum(v.numel() for v in draft.values()),
+        }
+        report["draft"] |= {
+            k: getattr(self.shape, k) for k in ("hidden", "heads", "kv_heads", "head_dim", "inter")
+        }
+        report["hot_head"] = len(hot)
+        return report
+
+
+def chain_accept(draft, embed, head, hot, shape, ids: list[int], prompt: int, feats, steps: int) -> list[int]:
+    """Offline EAGLE chain (top-k 1) over one greedy continuation ``ids`` (its first ``prompt``
+    tokens the prompt): per verify, the tokens it commits (longest matching draft prefix + the
+    bonus). The draft reads the target's features ``feats`` up to the verified prefix and its own
+    for later steps, as SGLang runs it; ids are drafted over the hot head."""
+    greedy = ids[prompt:]
+    done, counts = 1, []  # the prefill gave greedy[0]
+    while done < len(greedy):
+        t = prompt + done - 1  # the last verified token's position
+        tokens, fs = torch.tensor(ids[1 : t + 1]), feats[:t].float()
+        drafted = []
+        for _ in range(steps):
+            out = draft_hidden(draft, embed, tokens[None], fs[None], shape)[0, -1]
+            token = int(hot[(out @ head.T).argmax()])
+            drafted.append(token)
+            tokens, fs = torch.cat([tokens, torch.tensor([token])]), torch.cat([fs, out[None]])
+        match = 0
+        while match < steps and done + match < len(greedy) and drafted[match] == greedy[done + match]:
+            match += 1
+        counts.append(match + 1)
+        done += match + 1
+    return counts
