@@ -18,8 +18,10 @@ Stages (``tests/harness/draft_data.py`` holds the model-independent parts):
   training windows, generation prompts and held-out sets. Every random choice is seeded.
 - ``generate``: the target's own greedy continuations of the prompts (self-distillation: at serving
   time the draft predicts exactly these), bfloat16 with a KV cache, in resumable shards.
-- ``features``: the float32 target's final normed hidden states of every sequence and its top-k
-  next-token distribution over the hot head (the loss's labels), in resumable shards.
+- ``features``: the target's final normed hidden states of every sequence and its top-k
+  next-token distribution over the hot head (the loss's labels), in resumable shards: a bfloat16
+  forward for the training sequences (twice float32's speed here; the features' noise in training
+  is far wider than bfloat16's rounding), float32 as served for the held-out sets.
 - ``train``: AdamW over the draft, checkpointed every ``--save-every`` steps (resumes).
 - ``evaluate``: held-out first-step top-1 agreement and offline chain accept lengths per domain;
   writes the package folder (bf16 safetensors, config, ``training.json``).

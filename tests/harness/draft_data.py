@@ -124,7 +124,7 @@ def target_features(
     token over the full vocabulary too."""
     feats = model.model(input_ids=ids).last_hidden_state
     assert feats.abs().max() < 6e4, "features overflow float16"
-    probs, top = (feats @ head.T).softmax(-1).topk(topk, -1)
+    probs, top = (feats @ head.T).float().softmax(-1).topk(topk, -1)
     out = {"feats": feats.half(), "top": top.int(), "probs": probs.half()}
     if argmax:
         full = model.get_output_embeddings().weight
@@ -293,23 +293,26 @@ class DraftRun:
     def hot(self) -> torch.Tensor:
         return torch.as_tensor(torch.load(self.token_map)).long()
 
-    def features(self, topk: int, shard: int = 32) -> None:
-        """The float32 target's features, top-k over the hot head and full argmax of every training
-        sequence (``feat/``, in shards of ``shard``) and held-out set (``held.pt``)."""
+    def features(self, topk: int, shard: int = 32, dtype: torch.dtype = torch.bfloat16) -> None:
+        """The target's features and top-k over the hot head of every training sequence, its forward
+        in ``dtype`` (``feat/``, in shards of ``shard``), and of every held-out set with its full
+        argmax, in float32 as served (``held.pt``)."""
         train, held = self._sequences()
         folder = self.work / "feat"
         folder.mkdir(exist_ok=True)
         todo = [i for i in range(0, train.shape[0], shard) if not (folder / f"{i:06d}.pt").exists()]
-        if not todo and (self.work / "held.pt").exists():
-            return self.log("features: kept")
-        model = self._model(torch.float32)
-        head = model.get_output_embeddings().weight[self.hot()]
         if not (self.work / "held.pt").exists():
+            model = self._model(torch.float32)
+            head = model.get_output_embeddings().weight[self.hot()]
             sets = {
                 name: {"ids": ids} | target_features(model, ids, head, topk, argmax=True)
                 for name, ids in held.items()
             }
             save_atomic(sets, self.work / "held.pt")
+        if not todo:
+            return self.log("features: kept")
+        model = self._model(dtype)
+        head = model.get_output_embeddings().weight[self.hot()]
         for i in todo:
             started = time.monotonic()
             ids = train[i : i + shard]
