@@ -300,7 +300,8 @@ class DraftRun:
         train, held = self._sequences()
         folder = self.work / "feat"
         folder.mkdir(exist_ok=True)
-        todo = [i for i in range(0, train.shape[0], shard) if not (folder / f"{i:06d}.pt").exists()]
+        # Last shards first: the continuations, what the served draft reads, survive a run cut short.
+        todo = [i for i in range(0, train.shape[0], shard) if not (folder / f"{i:06d}.pt").exists()][::-1]
         if not (self.work / "held.pt").exists():
             model = self._model(torch.float32)
             head = model.get_output_embeddings().weight[self.hot()]
