@@ -18,6 +18,17 @@ the per-round ratios with its 95% interval (docs/results/coverage-overhead-cpu.t
 GPU:
     python benchmarks/bench_server.py --device cuda --tp 8 --model-path M \\
         --draft-model-path D --token-map freq_32768.pt
+``--plain`` adds plain decoding (no speculation) beside them. ``--profile`` (CPU) also times every
+phase of the schedulers' decode cycles (``cycle_profile.py``: rank 0's verify forward, each draft
+step, the draft head and its exchange, the draft extend, the collectives, the scheduler's own calls;
+ms per cycle side by side) and prints the cost model's tokens/s over plain decoding beside the
+measured one. ``--fixture gemma3`` serves Gemma 3 270M with its shipped draft and a map of its
+training text (``--gemma3-map``) on its held-out prose prompts; ``--sequential`` runs one server at
+a time (a TP=2 Gemma 3 server holds about 7.5 GB), so its ratios compare runs at different times.
+Gemma 3's cycle, TP=2:
+    python benchmarks/bench_server.py --fixture gemma3 --plain --profile --sequential \\
+        --configs balanced/full --steps 3 --topk 1 --draft-tokens 4 --requests 1 \\
+        --max-new-tokens 32 --rounds 3 --json docs/results/cycle-profile-gemma3-cpu.json
 """
 
 from __future__ import annotations
@@ -33,13 +44,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness (CPU)
+import cycle_profile  # noqa: E402
 from common import median_interval, shown_path, shown_paths, summarize  # noqa: E402
 
+from sglang_frspec.demo import gemma3  # noqa: E402
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
 from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture  # noqa: E402
 from sglang_frspec.demo.server import SGLangServer, new_python  # noqa: E402
 
 STOCK = "stock EAGLE, no map"
+PLAIN = "plain decoding"
 COVERAGE_OFF = ", coverage off"
 TEXT_PROMPTS = ["The capital of France is", "def quicksort(xs):", "In 1905, Einstein", "Dear team,"]
 
@@ -48,7 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--model-path", help="target (default: the CPU permutation fixture)")
+    p.add_argument("--fixture", choices=["perm", "gemma3"], default="perm",
+                   help="the model served when --model-path is not given")  # fmt: skip
+    p.add_argument("--gemma3-map", type=int, default=32768, choices=gemma3.MAP_SIZES)
+    p.add_argument("--model-path", help="target (default: the fixture's)")
     p.add_argument("--draft-model-path")
     p.add_argument("--token-map")
     p.add_argument("--hidden", type=int, default=1024, help="fixture hidden size (CPU default)")
@@ -65,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also run each plugin config with SGLANG_FRSPEC_COVERAGE=0 (the hot-coverage count off) "
         "and report the tokens/s ratio of coverage on over off",
     )
+    p.add_argument("--plain", action="store_true", help="also serve plain decoding (no speculation)")
+    p.add_argument("--profile", action="store_true", help="time the phases of each decode cycle (CPU)")
+    p.add_argument("--sequential", action="store_true", help="one server at a time (memory)")
     p.add_argument("--requests", type=int, default=4, help="concurrent requests per batch")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=5, help="interleaved timed batches per config")
@@ -107,7 +127,7 @@ def timed_batch(server: SGLangServer, prompts: list, max_new_tokens: int) -> dic
     after = scrape(server)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     verify_calls = delta.get("sglang:spec_verify_calls_total", 0.0)
-    accept = [o["meta_info"].get("spec_accept_length") or 0.0 for o in outs]
+    accept = [o["meta_info"].get("spec_accept_length") or 1.0 for o in outs]  # plain: 1 per step
     return {
         "outputs": [o["output_ids"] for o in outs],
         "tokens_per_s": sum(len(o["output_ids"]) for o in outs) / seconds,
@@ -117,10 +137,90 @@ def timed_batch(server: SGLangServer, prompts: list, max_new_tokens: int) -> dic
     }
 
 
+def start_server(name: str, i: int, config: tuple, args, base: list, prompts: list, log_dir: Path, launch):
+    """A server of ``config``, warmed up and suspended; with ``--profile`` its ``CycleLog`` too."""
+    extra, options, plugin = config
+    if args.device == "cpu":
+        env = cpu_env(args.tp, with_plugin=plugin, base=os.environ | options)
+    else:
+        env = os.environ | options | {"SGLANG_PLUGINS": "frspec" if plugin else "none"}
+    log = None
+    if args.profile:
+        env = cycle_profile.profiled_env(env, log_dir / f"profile{i}")
+        log = cycle_profile.CycleLog(log_dir / f"profile{i}")
+    print(f"starting {name} ...", flush=True)
+    server = SGLangServer(base + extra, env, log_dir / f"server{i}.log", launch=launch).start().wait_ready()
+    timed_batch(server, prompts, args.max_new_tokens)  # warm-up
+    server.suspend()  # only the server being measured may run
+    if log is not None:
+        log.read_new()  # the warm-up's cycles are not kept
+    return server, log
+
+
+def measure(servers: dict, logs: dict, samples: dict, cycles: dict, prompts: list, args) -> None:
+    """Interleaved timed batches over the (suspended) ``servers``; their cycle records if profiled."""
+    names = list(servers)
+    for round_ in range(args.rounds):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            servers[name].resume()
+            samples[name].append(timed_batch(servers[name], prompts, args.max_new_tokens))
+            servers[name].suspend()
+            if logs[name] is not None:
+                cycles[name] += logs[name].read_new()
+
+
+def print_profile(results: list[dict], plain: bool) -> None:
+    """Rank 0's phases per decode cycle side by side; with plain decoding, the cost model's tokens/s
+    over plain decoding's (from the measured phases, and on a GPU) beside the measured ratio."""
+    profiles = {r["config"]: r["profile"].get("rank0") for r in results}
+    missing = [name for name, summary in profiles.items() if summary is None]
+    if missing:
+        print(f"\nno full-batch decode cycles recorded on rank 0 for: {', '.join(missing)}")
+        return
+    print("\n" + "\n".join(cycle_profile.phase_table(profiles)))
+    if not plain:
+        return
+    base = profiles[PLAIN]
+    print(
+        "\ncost model: tokens/s over plain decoding = accept length x plain cycle / cycle. GPU: "
+        "forwards memory-bound (verify = plain's forward, draft extend = a draft step), the other "
+        "phases as measured / left out"
+    )
+    print(f"{'config':<42} {'accept':>6} {'cycle ms':>9} {'predicted':>9} {'measured':>9} {'GPU':>15}")
+    for r in results:
+        summary, accept = profiles[r["config"]], r["accept_length"]
+        r["predicted_vs_plain"] = cycle_profile.predicted_ratio(accept, base["cycle_ms"], summary["cycle_ms"])
+        gpu = "-"
+        if r["config"] != PLAIN:
+            g = cycle_profile.gpu_cycle(summary, base)
+            g["ratio_with_rest"] = cycle_profile.predicted_ratio(
+                accept, g["plain_with_rest"], g["cycle_with_rest"]
+            )
+            g["ratio_forwards_only"] = cycle_profile.predicted_ratio(
+                accept, g["plain_forwards_only"], g["cycle_forwards_only"]
+            )
+            r["gpu_prediction"] = g
+            gpu = f"{g['ratio_with_rest']:.2f}x / {g['ratio_forwards_only']:.2f}x"
+        print(
+            f"{r['config']:<42} {accept:>6.2f} {summary['cycle_ms']:>9.2f} {r['predicted_vs_plain']:>8.2f}x "
+            f"{r['vs_plain']:>8.2f}x {gpu:>15}"
+        )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.profile and args.device != "cpu":
+        raise SystemExit("--profile times wall clock per phase: CPU only (on a GPU it would time launches)")
     fixture = None
-    if args.model_path is None:
+    extra_server_args: tuple = ()
+    if args.model_path is None and args.fixture == "gemma3":
+        fixture = gemma3.gemma3_fixture()
+        args.model_path, args.draft_model_path = fixture.target, fixture.draft
+        args.token_map = args.token_map or fixture.token_map(args.gemma3_map)
+        held_out = fixture.prompts[len(gemma3.DEMO_PROMPTS) :]  # 40 ids each, as bench_acceptance's
+        prompts = [held_out[i % len(held_out)] for i in range(args.requests)]
+        extra_server_args = gemma3.SERVER_ARGS
+    elif args.model_path is None:
         fixture = perm_fixture(vocab_size=LLAMA3_VOCAB, hidden_size=args.hidden, num_hot=args.hot)
         args.model_path, args.draft_model_path = fixture.target, fixture.draft
         args.token_map = fixture.token_map("hot")
@@ -130,9 +230,10 @@ def main(argv=None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sglang-frspec-bench-"))
     base = ["--model-path", args.model_path, "--tp-size", str(args.tp), "--enable-metrics"]
     base += CPU_SERVER_ARGS if args.device == "cpu" else ["--device", args.device]
-    base += args.server_args.split()
+    base += [*extra_server_args, *args.server_args.split()]
     spec = {"steps": args.steps, "topk": args.topk, "draft_tokens": args.draft_tokens}
-    configs = {STOCK: (eagle_args(args.draft_model_path, **spec), {}, False)}
+    configs = {PLAIN: ([], {}, False)} if args.plain else {}
+    configs[STOCK] = (eagle_args(args.draft_model_path, **spec), {}, False)
     for config in args.configs:
         layout, exchange = config.split("/")
         env = {"SGLANG_FRSPEC_LAYOUT": layout, "SGLANG_FRSPEC_EXCHANGE": exchange}
@@ -155,30 +256,28 @@ def main(argv=None) -> int:
         from tests.harness.zygote import forked_launch
 
         launch = forked_launch
-    servers = {}
+    servers, logs = {}, {}
+    samples: dict[str, list] = {name: [] for name in configs}
+    cycles: dict[str, list] = {name: [] for name in configs}
+    # All servers alive at once (interleaved rounds), or one at a time with --sequential.
+    groups = [[name] for name in configs] if args.sequential else [list(configs)]
     try:
-        for i, (name, (extra, options, plugin)) in enumerate(configs.items()):
-            if args.device == "cpu":
-                env = cpu_env(args.tp, with_plugin=plugin, base=os.environ | options)
-            else:
-                env = os.environ | options | {"SGLANG_PLUGINS": "frspec" if plugin else "none"}
-            print(f"starting {name} ...", flush=True)
-            server = SGLangServer(base + extra, env, log_dir / f"server{i}.log", launch=launch)
-            servers[name] = server.start().wait_ready()
-            timed_batch(servers[name], prompts, args.max_new_tokens)  # warm-up
-            servers[name].suspend()  # only the server being measured may run
-        samples = {name: [] for name in servers}
-        for round_ in range(args.rounds):
-            for name in list(servers)[round_ % len(servers) :] + list(servers)[: round_ % len(servers)]:
-                servers[name].resume()
-                samples[name].append(timed_batch(servers[name], prompts, args.max_new_tokens))
-                servers[name].suspend()
+        for group in groups:
+            for name in group:
+                i = list(configs).index(name)
+                servers[name], logs[name] = start_server(
+                    name, i, configs[name], args, base, prompts, log_dir, launch
+                )
+            measure({n: servers[n] for n in group}, logs, samples, cycles, prompts, args)
+            for name in group:
+                servers.pop(name).stop()
     finally:
         for server in servers.values():
             server.stop()
     reference = samples[STOCK][0]["outputs"]
     results = []
     stock_tps = summarize([s["tokens_per_s"] for s in samples[STOCK]])["median"]
+    plain_tps = summarize([s["tokens_per_s"] for s in samples[PLAIN]])["median"] if args.plain else None
     for name, runs in samples.items():
         tps = summarize([s["tokens_per_s"] for s in runs])
         steps = [s["step_ms"] for s in runs if s["step_ms"] is not None]
@@ -194,6 +293,14 @@ def main(argv=None) -> int:
                 "outputs_equal_stock": all(s["outputs"] == reference for s in runs),
             }
         )
+        if args.plain:
+            results[-1]["vs_plain"] = tps["median"] / plain_tps
+        if args.profile:
+            ranks = sorted({c["rank"] for c in cycles[name]})
+            results[-1]["profile"] = {
+                f"rank{rank}": cycle_profile.summarize_cycles(cycles[name], len(prompts), rank)
+                for rank in ranks
+            }
         if name.endswith(COVERAGE_OFF):
             # Paired per round (both ran in the same round), so slow drifts of the machine cancel.
             on = samples[name.removesuffix(COVERAGE_OFF)]
@@ -201,11 +308,15 @@ def main(argv=None) -> int:
             low, high = median_interval(paired)
             results[-1] |= {"coverage_on_over_off": summarize(paired)["median"], "ratio_ci95": [low, high]}
     model = args.model_path
-    if fixture is not None:
+    if isinstance(fixture, gemma3.Gemma3Fixture):
+        model = f"Gemma 3 270M (V={gemma3.VOCAB}, float32), map {shown_path(args.token_map)}"
+    elif fixture is not None:
         model = f"permutation fixture (V={LLAMA3_VOCAB}, hidden {args.hidden}, H={args.hot})"
     print(
-        f"\nservers: tp={args.tp} device={args.device} model={model}; {args.requests} concurrent "
-        f"requests x {args.max_new_tokens} tokens, {args.rounds} interleaved rounds; "
+        f"\nservers: tp={args.tp} device={args.device} model={model}; EAGLE steps={args.steps} "
+        f"topk={args.topk} draft tokens={args.draft_tokens}; {args.requests} concurrent requests x "
+        f"{args.max_new_tokens} tokens, {args.rounds} "
+        f"{'rounds, one server at a time' if args.sequential else 'interleaved rounds'}; "
         f"logs {shown_path(log_dir)}"
     )
     print(
@@ -227,6 +338,8 @@ def main(argv=None) -> int:
                 f"{r['ratio_ci95'][1]:.4f} over {args.rounds} paired rounds; overhead "
                 f"{1 - r['coverage_on_over_off']:+.2%})"
             )
+    if args.profile:
+        print_profile(results, args.plain)
     if args.json:
         Path(args.json).write_text(
             json.dumps(shown_paths({"args": vars(args), "results": results}), indent=1)

@@ -14,6 +14,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 sys.path.insert(0, str(BENCH))
+import cycle_profile  # noqa: E402
 from common import local_path, median_interval, shown_path, shown_paths  # noqa: E402
 
 
@@ -82,14 +83,76 @@ def test_bench_draft_head_smoke(tmp_path):
     assert "gathered B/step" in out.stdout
 
 
+def _cycle(ms: float, verify: float, rank: int = 0, mode: str = "DECODE", bs: int = 1) -> dict:
+    """A decode cycle's record as the profiling plugin writes it: phase path -> [ms, calls]."""
+    phases = {"recv requests": [1.0, 1], "run batch": [ms - 2.0, 1], "run batch > draft": [30.0, 1],
+              "run batch > draft > forward 1": [10.0, 1], "run batch > draft > forward 2": [12.0, 1],
+              "run batch > verify": [verify + 5.0, 1], "run batch > verify > forward 1": [verify, 1],
+              "run batch > draft extend": [20.0, 1],
+              "run batch > draft extend > forward 1": [18.0, 1]}  # fmt: skip
+    return {"rank": rank, "mode": mode, "bs": bs, "ms": ms, "hook_us": 2.0, "phases": phases}
+
+
+def test_cycle_profile_averages_phases_and_predicts_tokens_per_s(tmp_path):
+    """Rank 0's full-batch decode cycles only, averaged phase by phase from whole lines (a line
+    still being written waits), own times, the table, the cost model and its GPU substitution,
+    against figures worked out by hand."""
+    lines = [_cycle(100.0, 40.0), _cycle(99.0, 40.0, rank=1), _cycle(300.0, 40.0, mode="EXTEND"),
+             _cycle(100.0, 40.0, bs=2), _cycle(120.0, 50.0)]  # fmt: skip
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    (tmp_path / "1.jsonl").write_text(text[:-30])
+    log = cycle_profile.CycleLog(tmp_path)
+    assert len(log.read_new()) == 4
+    (tmp_path / "1.jsonl").write_text(text)
+    records = log.read_new()
+    assert records == lines[4:] and log.read_new() == []
+    summary = cycle_profile.summarize_cycles(lines, batch_size=1, rank=0)
+    assert summary["cycles"] == 2 and summary["cycle_ms"] == 110.0
+    assert summary["phases_ms"]["run batch > verify > forward 1"] == 45.0
+    assert summary["top_level_ms"] == 109.0 and summary["covered"] == pytest.approx(109 / 110)
+    assert summary["profiler_overhead_ms"] == pytest.approx(9 * 2.0 / 1e3)  # 9 timed calls x 2 us
+    assert cycle_profile.self_ms(summary, "run batch > draft") == 8.0  # 30 less its two steps
+    assert cycle_profile.draft_steps_ms(summary) == [10.0, 12.0]
+    plain = {"cycle_ms": 50.0, "phases_ms": {"run batch > forward 1": 40.0}}
+    assert cycle_profile.predicted_ratio(2.5, plain["cycle_ms"], summary["cycle_ms"]) == 2.5 * 50 / 110
+    # GPU: the verify costs plain's forward (40, not 45), the draft extend one draft step (11, not 18).
+    assert cycle_profile.gpu_cycle(summary, plain) == {
+        "plain_with_rest": 50.0,
+        "cycle_with_rest": 110.0 - 45.0 + 40.0 - 18.0 + 11.0,
+        "plain_forwards_only": 40.0,
+        "cycle_forwards_only": 40.0 + 22.0 + 11.0,
+    }
+    table = cycle_profile.phase_table({"spec": summary})
+    draft_self = next(line for line in table if line.strip().startswith("(self)") and "8.00" in line)
+    assert draft_self.split()[-1] == f"{100 * 8 / 110:.1f}%"
+
+
 @pytest.mark.server
 def test_bench_server_smoke(tmp_path):
+    # --profile: the same servers also record every decode cycle phase by phase on each rank.
     out = run("bench_server.py", "--hidden", "128", "--requests", "2", "--max-new-tokens", "8",
-              "--rounds", "1", "--configs", "balanced/topk", "--json", str(tmp_path / "s.json"))  # fmt: skip
+              "--rounds", "1", "--configs", "balanced/topk", "--profile",
+              "--json", str(tmp_path / "s.json"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = json.loads((tmp_path / "s.json").read_text())["results"]
     assert [r["config"] for r in results] == ["stock EAGLE, no map", "map + plugin balanced/topk"]
     assert all(r["outputs_equal_stock"] and r["accept_length"] > 2.0 for r in results)
+    # One draft step (steps 2), the verify forward, the draft extend; heads and their TP=2
+    # collectives inside them (the plugin's top-k packet, stock's full-vocab gather).
+    stages = ("run batch > draft", "run batch > verify", "run batch > draft extend")
+    inners = ("", " > all-reduce", " > head", " > head > all-gather")
+    paths = [f"{stage} > forward 1{inner}" for stage in stages for inner in inners]
+    for r in results:
+        assert set(r["profile"]) == {"rank0", "rank1"}
+        for profile in r["profile"].values():
+            assert profile["batch_size"] == 2 and profile["cycles"] >= 1
+            assert set(paths) | {"recv requests", "schedule", "run batch", "process result"} <= set(
+                profile["phases_ms"]
+            ), r["config"]
+            assert "run batch > draft > forward 2" not in profile["phases_ms"]
+            # The scheduler loop's timed calls cover each cycle, up to the loop's own code.
+            assert abs(1 - profile["covered"]) <= cycle_profile.COVERAGE_TOLERANCE, profile
+    assert "cycle (one pass of the scheduler loop)" in out.stdout
 
 
 def test_bench_head_gemm_smoke(tmp_path):
