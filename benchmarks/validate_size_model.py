@@ -240,7 +240,7 @@ def main(argv=None) -> int:
         tail = batch_tail(fixture, list(maps), args, out)
     report = {
         "head_share": args.head_share,
-        "acceptance": args.acceptance,
+        "acceptance": shown_path(args.acceptance),  # as the JSON keeps it: --report prints the same
         "results": results,
         "batch_tail": tail,
     }
