@@ -1,4 +1,4 @@
-"""Acceptance and speed on a model trained on real text: no map vs maps of each size, side by side.
+r"""Acceptance and speed on a model trained on real text: no map vs maps of each size, side by side.
 
 The trained fixture (``tests.harness.trained``: a 32k-vocab BPE Llama trained on the
 Python standard library's code, and an EAGLE draft trained on its hidden states) is served by real
@@ -11,10 +11,22 @@ TP > 1, the other layouts and exchanges on one map. Timed batches are interleave
 across the servers alive at a time (the two references stay alive throughout; the others come in
 groups of ``--alive``), idle ones suspended; ratios use the references' samples from the same rounds.
 
-Reports per configuration and domain: accept length, tokens/s, ratio to EAGLE without a map and to
-plain decoding, and whether the outputs equal plain greedy decoding at that TP (tie-aware: a
-difference is allowed only at a top-2 near-tie of the target, see tests.harness.greedy).
+Reports per configuration, domain and concurrency mode: accept length, tokens/s, ratio to EAGLE
+without a map and to plain decoding, and whether the outputs equal plain greedy decoding at that TP
+(tie-aware: a difference is allowed only at a top-2 near-tie of the target, see tests.harness.greedy).
     python benchmarks/bench_acceptance.py --json docs/results/acceptance.json --plot docs/acceptance.png
+
+``--spec S,K,T ...`` (EAGLE steps, topk, draft tokens) runs every EAGLE configuration once per spec
+(its name then ends in the spec); its ratio to EAGLE without a map is to that of the same spec, and
+the first spec's is the reference alive in every group, through which ratios of rows that ran apart
+are chained. ``--concurrency N ...`` times each domain's prompts in closed batches of N, one after
+another (1: one request at a time; default: all as one batch). A closing table gives, per TP,
+domain and concurrency, each system's fastest row (plain greedy; stock EAGLE: no map, any spec;
+EAGLE + map: any map and spec) and its ratios to plain greedy and to the fastest stock EAGLE row
+(JSON key ``best``). Gemma 3's sweep at TP=2 (the plugin; ``--tp 1`` for TP=1):
+    python benchmarks/bench_acceptance.py --fixture gemma3 --tp 2 --stock-tp1 --one-reference --alive 1 \
+        --maps 8192 32768 --layouts --spec 2,1,3 3,1,4 3,2,6 --concurrency 1 8 --prompts 8 \
+        --max-new-tokens 32 --rounds 2 --json docs/results/acceptance-gemma3-sweep-cpu.json
 
 ``--fixture gemma3`` runs the same on a real pretrained model: Gemma 3 270M (262144 ids,
 ``sglang_frspec.demo.gemma3``) with its shipped EAGLE draft and its maps of the training text
@@ -43,6 +55,7 @@ import re
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,22 +71,50 @@ from tests.harness.trained import MAP_SIZES, PROSE_MAP_SIZE, trained_fixture  # 
 from tests.harness.zygote import forked_launch  # noqa: E402
 
 PLAIN, NO_MAP = "plain greedy", "EAGLE, no map"
+# The systems of the closing table: rows without a map are stock EAGLE, rows with one EAGLE + map.
+STOCK, WITH_MAP = "stock EAGLE", "EAGLE + map"
+BEST_FIELDS = ("tp", "domain", "concurrency", "system", "config", "spec", "map", "layout", "accept_length",
+               "tokens_per_s", "vs_plain", "equals_plain_greedy")  # fmt: skip
 DOMAINS = ("code", "prose")
 # The verify under sampling: SGLang's default (target-only, any draft) or rejection sampling.
 VERIFIES = {"target-only": (), "rejection": ("--speculative-use-rejection-sampling",)}
 SEED = ("--random-seed", "36")
 
 
+Spec = tuple[int, int, int]  # EAGLE steps, topk, draft tokens
+
+
 @dataclass
 class Config:
     name: str
     tp: int
-    eagle: bool = True
+    spec: Spec | None = None  # None: plain decoding
     token_map: str | None = None  # a map name of the fixture, or a map file
     layout: str = "balanced"
     exchange: str = "full"
     extra: tuple = ()  # more server arguments
-    samples: dict = field(default_factory=lambda: {d: [] for d in DOMAINS})
+    samples: dict = field(default_factory=lambda: defaultdict(list))  # (domain, at once) -> rounds
+
+    @property
+    def system(self) -> str:
+        return PLAIN if self.spec is None else WITH_MAP if self.token_map else STOCK
+
+
+def spec_label(spec: Spec | None) -> str | None:
+    return ",".join(map(str, spec)) if spec else None
+
+
+def spec_arg(text: str) -> Spec:
+    """``S,K,T`` of ``--spec``."""
+    try:
+        spec = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        spec = ()
+    if len(spec) != 3 or min(spec) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give steps,topk,draft tokens as positive integers, e.g. 3,1,4"
+        )
+    return spec
 
 
 # Per fixture: its maps by default, the map of the layout/exchange rows, the prefix of the maps
@@ -115,13 +156,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=["local/full", "balanced/topk", "local/topk"],
         help="other layout/exchange pairs at TP > 1 (balanced/full is every map's row)",
     )
-    p.add_argument("--prompts", type=int, default=16, help="held-out prompts per domain (one batch)")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts per domain")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        help="requests at once, each a timed mode: N sends a domain's prompts as closed batches of N, one "
+        "after another (1: one request at a time); tokens/s = all tokens / all time (default: all prompts "
+        "as one batch)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3, help="interleaved timed batches per config and domain")
     p.add_argument("--alive", type=int, default=3, help="map configurations alive at once")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--topk", type=int, default=1)
-    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument(
+        "--spec",
+        type=spec_arg,
+        nargs="+",
+        metavar="S,K,T",
+        help="EAGLE steps,topk,draft tokens: every EAGLE configuration runs once per spec, its name ending "
+        "in it when there are several (default: --steps,--topk,--draft-tokens)",
+    )
+    p.add_argument("--steps", type=int, help="EAGLE steps of the one spec without --spec (default 3)")
+    p.add_argument("--topk", type=int, help="EAGLE topk of the one spec without --spec (default 1)")
+    p.add_argument("--draft-tokens", type=int, help="draft tokens of the one spec without --spec (default 4)")
     p.add_argument("--log-dir", help="keep server logs here")
     p.add_argument("--json", help="write the results here as JSON")
     p.add_argument("--plot", help="write accept length and speed against map size here (.png)")
@@ -129,6 +186,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7, 1.0])
     p.add_argument("--sampling-map", help="the map of --sampling (default: the --layout-map default)")
     args = p.parse_args(argv)
+    one_spec = (args.steps, args.topk, args.draft_tokens)
+    if args.spec and one_spec != (None, None, None):
+        p.error("--spec replaces --steps/--topk/--draft-tokens: give one or the other")
+    args.spec = args.spec or [tuple(d if v is None else v for v, d in zip(one_spec, (3, 1, 4)))]
+    if len(set(args.spec)) < len(args.spec):
+        p.error(f"--spec lists a spec twice: {' '.join(map(spec_label, args.spec))}")
+    for steps, topk, draft_tokens in args.spec:
+        if topk == 1 and draft_tokens != steps + 1:  # SGLang would serve steps + 1 under this name
+            p.error(
+                f"--spec {steps},1,{draft_tokens}: topk 1 drafts a chain of steps + 1 tokens; "
+                f"give {steps},1,{steps + 1}"
+            )
+    if len(args.spec) == 1:  # the JSON's args say what ran (validate_size_model drafts as they say)
+        args.steps, args.topk, args.draft_tokens = args.spec[0]
+    elif args.sampling:
+        p.error("--sampling runs one spec: give one --spec")
+    args.concurrency = args.concurrency or [args.prompts]
+    if len(set(args.concurrency)) < len(args.concurrency) or not all(
+        1 <= n <= args.prompts for n in args.concurrency
+    ):
+        p.error(f"--concurrency {args.concurrency}: each from 1 to --prompts ({args.prompts}), once")
     maps, layout_map, _ = FIXTURE_MAPS[args.fixture]
     args.maps = args.maps or maps
     args.layout_map = args.layout_map or [layout_map]
@@ -137,25 +215,31 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def configs_for(tp: int, args: argparse.Namespace) -> list[Config]:
-    configs = [Config(PLAIN, tp, eagle=False), Config(NO_MAP, tp)]
-    configs += [Config(f"map {Path(m).stem}", tp, token_map=m) for m in args.maps]
-    if tp > 1:
-        for token_map in args.layout_map:
-            for pair in args.layouts:
-                layout, exchange = pair.split("/")
-                name = f"map {Path(token_map).stem} {pair}"
-                configs.append(Config(name, tp, True, token_map, layout, exchange))
+    """Plain greedy, then per spec: EAGLE without a map, with each map and, at TP > 1, the layout rows
+    (the first spec's EAGLE without a map second: the reference alive in every group)."""
+    configs = [Config(PLAIN, tp)]
+    for spec in args.spec:
+        suffix = f" {spec_label(spec)}" if len(args.spec) > 1 else ""
+        rows = [(NO_MAP, None, "balanced/full")] + [
+            (f"map {Path(m).stem}", m, "balanced/full") for m in args.maps
+        ]
+        if tp > 1:
+            rows += [
+                (f"map {Path(m).stem} {pair}", m, pair) for m in args.layout_map for pair in args.layouts
+            ]
+        for name, token_map, pair in rows:
+            layout, exchange = pair.split("/")
+            configs.append(Config(name + suffix, tp, spec, token_map, layout, exchange))
     return configs
 
 
 def start(config: Config, fixture, args, log_dir: Path) -> SGLangServer:
     cli = ["--model-path", fixture.target, "--tp-size", str(config.tp), *CPU_SERVER_ARGS]
     cli += gemma3.SERVER_ARGS if isinstance(fixture, gemma3.Gemma3Fixture) else ()
-    if config.eagle:
+    if config.spec:
         token_map = fixture_map(fixture, config.token_map) if config.token_map else None
-        cli += eagle_args(
-            fixture.draft, token_map, steps=args.steps, topk=args.topk, draft_tokens=args.draft_tokens
-        )
+        steps, topk, draft_tokens = config.spec
+        cli += eagle_args(fixture.draft, token_map, steps=steps, topk=topk, draft_tokens=draft_tokens)
     cli += config.extra
     options = {"SGLANG_FRSPEC_LAYOUT": config.layout, "SGLANG_FRSPEC_EXCHANGE": config.exchange}
     plugin = config.tp > 1 or not args.stock_tp1
@@ -167,10 +251,17 @@ def start(config: Config, fixture, args, log_dir: Path) -> SGLangServer:
     return server
 
 
-def timed_batch(server: SGLangServer, prompts: list[list[int]], max_new_tokens: int) -> dict:
+def timed_batch(
+    server: SGLangServer, prompts: list[list[int]], max_new_tokens: int, at_once: int = 0
+) -> dict:
+    """Greedy outputs of ``prompts`` sent as closed batches of ``at_once`` (default: one batch), one
+    after another; tokens/s over all of them."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+    at_once = at_once or len(prompts)
+    outs = []
     begin = time.perf_counter()
-    outs = server.post("/generate", {"input_ids": prompts, "sampling_params": params})
+    for i in range(0, len(prompts), at_once):
+        outs += server.post("/generate", {"input_ids": prompts[i : i + at_once], "sampling_params": params})
     seconds = time.perf_counter() - begin
     accept = [o["meta_info"].get("spec_accept_length") or 1.0 for o in outs]
     return {
@@ -181,7 +272,8 @@ def timed_batch(server: SGLangServer, prompts: list[list[int]], max_new_tokens: 
 
 
 def measure(group: list[Config], servers: dict, prompts: dict, args) -> None:
-    """Interleaved rounds over the (suspended) servers of ``group``; each round times every domain's batch."""
+    """Interleaved rounds over the (suspended) servers of ``group``; each round times every domain's
+    prompts in each concurrency mode."""
     for round_ in range(args.rounds + 1):  # round 0 warms up and is not kept
         order = group[round_ % len(group) :] + group[: round_ % len(group)]
         for config in order:
@@ -190,10 +282,11 @@ def measure(group: list[Config], servers: dict, prompts: dict, args) -> None:
             # untimed: the first request after SIGCONT would time the wake-up, and it is always code's
             timed_batch(server, prompts[DOMAINS[-1]][:1], 4)
             for domain in DOMAINS:
-                sample = timed_batch(server, prompts[domain], args.max_new_tokens)
-                if round_:
-                    sample["group"] = tuple(c.name for c in group)
-                    config.samples[domain].append(sample)
+                for at_once in args.concurrency:
+                    sample = timed_batch(server, prompts[domain], args.max_new_tokens, at_once)
+                    if round_:
+                        sample["group"] = tuple(c.name for c in group)
+                        config.samples[domain, at_once].append(sample)
             server.suspend()
 
 
@@ -208,7 +301,7 @@ def greedy_match(target: str, prompts: list, got: list, expected: list) -> str:
 
 def run_tp(tp: int, fixture, args, log_dir: Path, prompts: dict) -> list[Config]:
     configs = configs_for(tp, args)
-    references = configs[1:2] if args.one_reference else configs[:2]  # [PLAIN, NO_MAP, maps...]
+    references = configs[1:2] if args.one_reference else configs[:2]  # plain, the first spec's no map
     others = [c for c in configs if all(c is not r for r in references)]
     servers = {c.name: start(c, fixture, args, log_dir) for c in references}
     try:
@@ -227,8 +320,12 @@ def run_tp(tp: int, fixture, args, log_dir: Path, prompts: dict) -> list[Config]
     return configs
 
 
-def round_ratios(samples: list[dict], ref_samples: list[dict]) -> list[float]:
-    """Tokens/s over the reference's, round by round (the reference's samples of the same groups)."""
+def round_ratios(samples: list[dict], ref_samples: list[dict], anchor_samples: list[dict]) -> list[float]:
+    """Tokens/s over the reference's, round by round (the reference's samples of the same groups;
+    where the reference ran in other groups, over the anchor's, chained as ``vs_reference``)."""
+    if not {s["group"] for s in samples} <= {r["group"] for r in ref_samples}:
+        scale = group_ratio(ref_samples, anchor_samples)
+        return [ratio / scale for ratio in round_ratios(samples, anchor_samples, anchor_samples)]
     groups = dict.fromkeys(s["group"] for s in samples)
     paired = [r for group in groups for r in ref_samples if r["group"] == group]
     return [s["tokens_per_s"] / r["tokens_per_s"] for s, r in zip(samples, paired, strict=True)]
@@ -245,45 +342,68 @@ def group_ratio(samples: list[dict], ref_samples: list[dict]) -> float:
     return summarize(ratios)["median"]
 
 
-def vs_reference(samples: list[dict], ref_samples: list[dict], no_map_samples: list[dict]) -> float:
+def vs_reference(samples: list[dict], ref_samples: list[dict], anchor_samples: list[dict]) -> float:
     """``group_ratio`` where the reference ran in every group of ``samples``; else chained through
-    EAGLE without a map, which runs in every group."""
+    the anchor (the first spec's EAGLE without a map), which runs in every group."""
     if {s["group"] for s in samples} <= {r["group"] for r in ref_samples}:
         return group_ratio(samples, ref_samples)
-    return group_ratio(samples, no_map_samples) / group_ratio(ref_samples, no_map_samples)
+    return group_ratio(samples, anchor_samples) / group_ratio(ref_samples, anchor_samples)
 
 
-def summarize_tp(configs: list[Config], fixture, prompts: dict) -> list[dict]:
-    by_name = {c.name: c for c in configs}
+def summarize_tp(configs: list[Config], fixture, prompts: dict, args) -> tuple[list[dict], list[dict]]:
+    """The rows of one TP (per config, domain and concurrency) and its ``best`` rows."""
+    plain = configs[0]
+    no_map = {c.spec: c for c in configs if c.system == STOCK}
+    anchor = no_map[args.spec[0]]  # alive in every group (run_tp)
     rows = []
     for config in configs:
-        for domain in DOMAINS:
-            samples = config.samples[domain]
-            no_map = by_name[NO_MAP].samples[domain]
-            ratios = {
-                ref: vs_reference(samples, by_name[ref].samples[domain], no_map) for ref in (PLAIN, NO_MAP)
-            }
-            plain = by_name[PLAIN].samples[domain][0]["outputs"]
+        for cell in ((d, n) for d in DOMAINS for n in args.concurrency):
+            samples = config.samples[cell]
+            own_no_map = no_map[config.spec or args.spec[0]]  # the same spec's (plain: the first's)
             rows.append(
                 {
                     "tp": config.tp,
                     "config": config.name,
+                    "system": config.system,
+                    "spec": spec_label(config.spec),
                     "map": config.token_map,
                     "layout": f"{config.layout}/{config.exchange}" if config.token_map else None,
-                    "domain": domain,
+                    "domain": cell[0],
+                    "concurrency": cell[1],
                     "accept_length": samples[0]["accept_length"],
                     "tokens_per_s": summarize([s["tokens_per_s"] for s in samples])["median"],
-                    "vs_no_map": ratios[NO_MAP],
-                    "vs_plain": ratios[PLAIN],
+                    "vs_no_map": vs_reference(samples, own_no_map.samples[cell], anchor.samples[cell]),
+                    "vs_plain": vs_reference(samples, plain.samples[cell], anchor.samples[cell]),
                     "tokens_per_s_rounds": [s["tokens_per_s"] for s in samples],
-                    "vs_no_map_rounds": round_ratios(samples, by_name[NO_MAP].samples[domain]),
+                    "vs_no_map_rounds": round_ratios(samples, own_no_map.samples[cell], anchor.samples[cell]),
                     "same_accept_every_round": len({s["accept_length"] for s in samples}) == 1,
                     "equals_plain_greedy": greedy_match(
-                        fixture.target, prompts[domain], samples[0]["outputs"], plain
+                        fixture.target,
+                        prompts[cell[0]],
+                        samples[0]["outputs"],
+                        plain.samples[cell][0]["outputs"],
                     ),
                 }
             )
-    return rows
+    return rows, best_rows(configs, rows, anchor)
+
+
+def best_rows(configs: list[Config], rows: list[dict], anchor: Config) -> list[dict]:
+    """Per domain and concurrency, each system's fastest row (by ``vs_plain``: tokens/s against plain
+    greedy in the same rounds) with its ratio to the fastest stock EAGLE row (as ``vs_reference``)."""
+    by_name = {c.name: c for c in configs}
+    best = []
+    for cell in dict.fromkeys((r["domain"], r["concurrency"]) for r in rows):
+        mine = [r for r in rows if (r["domain"], r["concurrency"]) == cell]
+        fastest = {
+            system: max((r for r in mine if r["system"] == system), key=lambda r: r["vs_plain"])
+            for system in dict.fromkeys(r["system"] for r in mine)
+        }
+        stock = by_name[fastest[STOCK]["config"]].samples[cell]
+        for r in fastest.values():
+            vs_stock = vs_reference(by_name[r["config"]].samples[cell], stock, anchor.samples[cell])
+            best.append({k: r[k] for k in BEST_FIELDS} | {"vs_best_stock": vs_stock})
+    return best
 
 
 def sampling_rows(tp: int, fixture, args, log_dir: Path, prompts: dict) -> list[dict]:
@@ -294,7 +414,7 @@ def sampling_rows(tp: int, fixture, args, log_dir: Path, prompts: dict) -> list[
         for verify, extra in VERIFIES.items():
             name = f"{f'map {Path(token_map).stem}' if token_map else 'no map'}, {verify}"
             server = start(
-                Config(name, tp, token_map=token_map, extra=(*extra, *SEED)), fixture, args, log_dir
+                Config(name, tp, args.spec[0], token_map, extra=(*extra, *SEED)), fixture, args, log_dir
             )
             server.resume()
             try:
@@ -351,9 +471,7 @@ def plot(rows: list[dict], path: str, prefix: str) -> None:
             label = f"TP={tp} {domain} prompts"
             accept_axes.plot(sizes, [r["accept_length"] for _, r in points], style, label=label)
             speed_axes.plot(sizes, [r["vs_no_map"] for _, r in points], style, label=label)
-            no_map = next(
-                r for r in rows if r["tp"] == tp and r["domain"] == domain and r["config"] == NO_MAP
-            )
+            no_map = next(r for r in rows if r["tp"] == tp and r["domain"] == domain and r["system"] == STOCK)
             accept_axes.axhline(no_map["accept_length"], color="grey", linewidth=0.5)
     for axes, ylabel in ((accept_axes, "accept length"), (speed_axes, "tokens/s vs EAGLE without a map")):
         axes.set_xscale("log", base=2)
@@ -396,16 +514,19 @@ def fixture_line(fixture, report: dict) -> str:
 
 
 def accept_lengths_across_tp(rows: list[dict]) -> list[str]:
-    """Rows whose accept length differs from the same map's (any layout and exchange) and domain at
-    the smallest TP."""
+    """Rows whose accept length differs from the same map's (any layout and exchange), spec, domain
+    and concurrency at the smallest TP."""
     first = min(r["tp"] for r in rows)
-    base = {(r["map"] or r["config"], r["domain"]): r["accept_length"] for r in rows if r["tp"] == first}
+
+    def key(r: dict) -> tuple:
+        return r["map"] or r["config"], r["spec"], r["domain"], r["concurrency"]
+
+    base = {key(r): r["accept_length"] for r in rows if r["tp"] == first}
     return [
-        f"tp={r['tp']} {r['config']} {r['domain']}: {r['accept_length']:.4f} vs {base[key]:.4f}"
+        f"tp={r['tp']} {r['config']} {r['domain']} {r['concurrency']} at once: {r['accept_length']:.4f} "
+        f"vs {base[key(r)]:.4f}"
         for r in rows
-        if r["tp"] != first
-        and (key := (r["map"] or r["config"], r["domain"])) in base
-        and r["accept_length"] != base[key]
+        if r["tp"] != first and key(r) in base and r["accept_length"] != base[key(r)]
     ]
 
 
@@ -431,22 +552,25 @@ def main(argv=None) -> int:
             )
         return 0
     rows: list[dict] = []
+    best: list[dict] = []
     for tp in args.tp:
-        rows += summarize_tp(run_tp(tp, fixture, args, log_dir, prompts), fixture, prompts)
+        tp_rows, tp_best = summarize_tp(run_tp(tp, fixture, args, log_dir, prompts), fixture, prompts, args)
+        rows, best = rows + tp_rows, best + tp_best
     spec_line = (
-        f"EAGLE steps={args.steps} topk={args.topk} draft tokens={args.draft_tokens} (max accept length "
-        f"{args.steps + 1}); {args.prompts} prompts x {args.max_new_tokens} tokens per domain, "
-        f"{args.rounds} interleaved rounds; logs {shown_path(log_dir)}"
+        f"EAGLE steps,topk,draft tokens {' '.join(map(spec_label, args.spec))} (max accept length "
+        f"steps + 1); {args.prompts} prompts x {args.max_new_tokens} tokens per domain, sent "
+        f"{' / '.join(map(str, args.concurrency))} at once, {args.rounds} interleaved rounds; logs "
+        f"{shown_path(log_dir)}"
     )
     print(f"\n{fixture_line(fixture, report)}\n{spec_line}")
-    header = f"{'tp':>2} {'config':<34} {'domain':<6} {'accept':>6} {'tokens/s':>9} {'vs no map':>9} "
-    print(header + f"{'(rounds)':>11} {'vs plain':>8} {'= greedy':>9}")
+    header = f"{'tp':>2} {'config':<34} {'domain':<6} {'at once':>7} {'accept':>6} {'tokens/s':>9} "
+    print(header + f"{'vs no map':>9} {'(rounds)':>11} {'vs plain':>8} {'= greedy':>9}")
     for r in rows:
         spread = f"{min(r['vs_no_map_rounds']):.2f}-{max(r['vs_no_map_rounds']):.2f}"
         print(
-            f"{r['tp']:>2} {r['config']:<34} {r['domain']:<6} {r['accept_length']:>6.2f} "
-            f"{r['tokens_per_s']:>9.1f} {r['vs_no_map']:>8.2f}x {spread:>11} {r['vs_plain']:>7.2f}x "
-            f"{r['equals_plain_greedy']:>9}"
+            f"{r['tp']:>2} {r['config']:<34} {r['domain']:<6} {r['concurrency']:>7} "
+            f"{r['accept_length']:>6.2f} {r['tokens_per_s']:>9.1f} {r['vs_no_map']:>8.2f}x {spread:>11} "
+            f"{r['vs_plain']:>7.2f}x {r['equals_plain_greedy']:>9}"
         )
     if len(args.tp) > 1:
         differ = accept_lengths_across_tp(rows)
@@ -455,12 +579,29 @@ def main(argv=None) -> int:
         )
         for line in differ:
             print(f"  {line}")
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(shown_paths({"args": vars(args), "fixture": report, "results": rows}), indent=1)
+    print(
+        f"\nbest configuration per system (the fastest against {PLAIN} in the same rounds; vs best stock: "
+        f"against the fastest {STOCK} row; ratios chained through the first spec's {NO_MAP} where rows ran "
+        "apart)"
+    )
+    header = f"{'tp':>2} {'domain':<6} {'at once':>7} {'system':<13} {'config':<34} {'accept':>6} "
+    print(header + f"{'tokens/s':>9} {'vs plain':>8} {'vs best stock':>13} {'= greedy':>9}")
+    for r in best:
+        print(
+            f"{r['tp']:>2} {r['domain']:<6} {r['concurrency']:>7} {r['system']:<13} {r['config']:<34} "
+            f"{r['accept_length']:>6.2f} {r['tokens_per_s']:>9.1f} {r['vs_plain']:>7.2f}x "
+            f"{r['vs_best_stock']:>12.2f}x {r['equals_plain_greedy']:>9}"
         )
-    if args.plot:
-        plot(rows, args.plot, FIXTURE_MAPS[args.fixture][2])
+    if args.json:
+        results = {"args": vars(args), "fixture": report, "results": rows, "best": best}
+        Path(args.json).write_text(json.dumps(shown_paths(results), indent=1))
+    if args.plot:  # against map size: the first spec and concurrency mode
+        first = [
+            r
+            for r in rows
+            if r["spec"] in (None, spec_label(args.spec[0])) and r["concurrency"] == args.concurrency[0]
+        ]
+        plot(first, args.plot, FIXTURE_MAPS[args.fixture][2])
     return 0 if all(r["equals_plain_greedy"] != "NO" and r["same_accept_every_round"] for r in rows) else 1
 
 

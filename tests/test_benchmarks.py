@@ -170,34 +170,132 @@ def test_bench_head_gemm_smoke(tmp_path):
     assert all(r["median_us"] > 0 and r["bound_us"] > 0 for r in results)
 
 
+def test_bench_acceptance_one_spec_keeps_its_names_and_args():
+    """Without --spec (or with one) config names carry no spec and the JSON's args say the spec
+    (validate_size_model drafts as they say); with several, every EAGLE config runs per spec."""
+    from bench_acceptance import configs_for, parse_args
+
+    one = parse_args(["--steps", "2", "--draft-tokens", "3", "--maps", "code_512", "--layouts", "local/topk"])
+    assert (one.spec, one.steps, one.topk, one.draft_tokens) == ([(2, 1, 3)], 2, 1, 3)
+    assert parse_args(["--spec", "3,2,6"]).steps == 3
+    names = ["plain greedy", "EAGLE, no map", "map code_512", "map code_128 local/topk"]
+    assert [c.name for c in configs_for(2, one)] == names
+    two = parse_args(["--spec", "2,1,3", "3,2,6", "--maps", "code_512", "--layouts"])
+    assert two.steps is None
+    assert [(c.name, c.spec) for c in configs_for(2, two)] == [("plain greedy", None)] + [
+        (f"{name} {s}", spec) for s, spec in (("2,1,3", (2, 1, 3)), ("3,2,6", (3, 2, 6)))
+        for name in ("EAGLE, no map", "map code_512")
+    ]  # fmt: skip
+
+
+def test_bench_acceptance_ratios_recover_speeds_across_groups():
+    """Gemma 3's sweep (TP=2, --one-reference --alive 1, three specs, two modes): each config times
+    in a group with the anchor only, the machine's speed changing every round. Every ratio (to
+    plain, to the same spec's EAGLE without a map, to the fastest stock row; round by round too)
+    is the configs' own speed ratio, chained through the anchor, and ``best`` picks the fastest."""
+    from types import SimpleNamespace
+
+    from bench_acceptance import configs_for, parse_args, summarize_tp
+
+    args = parse_args(["--fixture", "gemma3", "--tp", "2", "--one-reference", "--alive", "1", "--maps",
+                       "8192", "32768", "--layouts", "--spec", "2,1,3", "3,1,4", "3,2,6", "--concurrency",
+                       "1", "8", "--prompts", "8", "--rounds", "3"])  # fmt: skip
+    configs = configs_for(2, args)
+    speed = {c.name: 5.0 + (7 * i) % 11 for i, c in enumerate(configs)}  # tokens/s at machine speed 1
+    machine = iter([0.5, 1.7, 1.1, 0.8, 2.0, 1.3, 0.6] * 20)
+    for other in configs[:1] + configs[2:]:  # configs[1], the first spec's EAGLE without a map: the anchor
+        group = (configs[1], other)
+        for _ in range(args.rounds):
+            speed_now = next(machine)
+            for config, cell in ((c, (d, n)) for c in group for d in ("code", "prose") for n in (1, 8)):
+                sample = {"tokens_per_s": speed[config.name] * speed_now, "accept_length": 1.5}
+                sample |= {"outputs": [[7]], "group": tuple(c.name for c in group)}
+                config.samples[cell].append(sample)
+    rows, best = summarize_tp(configs, SimpleNamespace(target=""), {"code": [[1]], "prose": [[1]]}, args)
+    assert len(rows) == 10 * 4 and len(best) == 3 * 4
+    for r in rows:
+        own = f"EAGLE, no map {r['spec'] or '2,1,3'}"
+        assert r["vs_plain"] == pytest.approx(speed[r["config"]] / speed["plain greedy"], rel=1e-12)
+        assert r["vs_no_map"] == pytest.approx(speed[r["config"]] / speed[own], rel=1e-12)
+        rounds = r["vs_no_map_rounds"]
+        assert len(rounds) == len(r["tokens_per_s_rounds"]) and rounds == pytest.approx(
+            [r["vs_no_map"]] * len(rounds)
+        )
+    fastest = {
+        system: max((c for c in configs if c.system == system), key=lambda c: speed[c.name]).name
+        for system in ("plain greedy", "stock EAGLE", "EAGLE + map")
+    }
+    for b in best:
+        assert b["config"] == fastest[b["system"]]
+        assert b["vs_best_stock"] == pytest.approx(
+            speed[b["config"]] / speed[fastest["stock EAGLE"]], rel=1e-12
+        )
+
+
 @pytest.mark.server
 def test_bench_acceptance_smoke(tmp_path):
-    # --one-reference (as Gemma 3's run): plain decoding runs in a group of its own, its ratios
-    # chained through EAGLE without a map.
+    # --one-reference (as Gemma 3's run): only the first spec's EAGLE without a map stays alive. Two
+    # specs: plain, the first spec's map row and the second spec's EAGLE without a map run in one
+    # group (--alive 3), the second spec's map row in the next, so its ratio to its own spec's EAGLE
+    # without a map is chained through the first spec's. The prompts go one at a time.
+    specs = ("3,1,4", "2,1,3")
     out = run("bench_acceptance.py", "--tp", "1", "--maps", "code_512", "--layouts", "--prompts", "2",
-              "--max-new-tokens", "8", "--rounds", "1", "--one-reference", "--json", str(tmp_path / "a.json"),
+              "--max-new-tokens", "8", "--rounds", "1", "--one-reference", "--spec", *specs,
+              "--concurrency", "1", "--json", str(tmp_path / "a.json"),
               "--plot", str(tmp_path / "a.png"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = json.loads((tmp_path / "a.json").read_text())["results"]
-    assert [(r["config"], r["domain"]) for r in rows] == [
-        (config, domain)
-        for config in ("plain greedy", "EAGLE, no map", "map code_512")
-        for domain in ("code", "prose")
+    data = json.loads((tmp_path / "a.json").read_text())
+    rows = data["results"]
+    configs = ["plain greedy"] + [f"{c} {s}" for s in specs for c in ("EAGLE, no map", "map code_512")]
+    cells = [("code", 1), ("prose", 1)]
+    assert [(r["config"], r["domain"], r["concurrency"]) for r in rows] == [
+        (c, *cell) for c in configs for cell in cells
     ]
     assert all(r["equals_plain_greedy"] != "NO" for r in rows)
     assert all(r["accept_length"] == 1.0 for r in rows if r["config"] == "plain greedy")
-    assert all(1.0 < r["accept_length"] <= 4.0 for r in rows if r["config"] != "plain greedy")
+    assert all(1.0 < r["accept_length"] <= int(r["spec"].split(",")[0]) + 1 for r in rows if r["spec"])
     assert (tmp_path / "a.png").stat().st_size > 10_000
-    by_config = {(r["config"], r["domain"]): r for r in rows}
-    for domain in ("code", "prose"):
-        plain, with_map = by_config["plain greedy", domain], by_config["map code_512", domain]
+    by_config = {(r["config"], r["domain"], r["concurrency"]): r for r in rows}
+    for cell in cells:
+        plain = by_config[("plain greedy", *cell)]
         assert plain["vs_plain"] == 1.0
-        # Equal up to float rounding: where plain decoding shares the map's group, the script takes
-        # their ratio directly, not through EAGLE without a map.
-        assert with_map["vs_plain"] == pytest.approx(with_map["vs_no_map"] / plain["vs_no_map"], rel=1e-12)
+        # One round: every ratio is one of tokens/s, so a row's ratio to its spec's EAGLE without a
+        # map equals (up to float rounding) its ratio to plain over that row's, whether taken
+        # directly (the first spec: plain shares the group) or chained (the second spec's map row).
+        for spec in specs:
+            no_map = by_config[(f"EAGLE, no map {spec}", *cell)]
+            for row in (no_map, by_config[(f"map code_512 {spec}", *cell)]):
+                assert row["vs_no_map"] == pytest.approx(row["vs_plain"] / no_map["vs_plain"], rel=1e-12)
+        # The closing table: each system's row with the highest ratio to plain, and its ratio to the
+        # best stock EAGLE row.
+        best = [b for b in data["best"] if (b["domain"], b["concurrency"]) == cell]
+        assert [b["system"] for b in best] == ["plain greedy", "stock EAGLE", "EAGLE + map"]
+        mine = [r for r in rows if (r["domain"], r["concurrency"]) == cell]
+        fastest = {
+            system: max((r for r in mine if r["system"] == system), key=lambda r: r["vs_plain"])
+            for system in ("plain greedy", "stock EAGLE", "EAGLE + map")
+        }
+        stock = fastest["stock EAGLE"]["vs_plain"]
+        for b in best:
+            assert (b["config"], b["vs_plain"]) == (
+                fastest[b["system"]]["config"],
+                fastest[b["system"]]["vs_plain"],
+            )
+            assert b["vs_best_stock"] == pytest.approx(b["vs_plain"] / stock, rel=1e-12)
+    assert "best configuration per system" in out.stdout
 
+    # validate_size_model reads a run of one spec: the first spec's rows, named and with args as a
+    # run of that spec alone writes them (test_bench_acceptance_one_spec_keeps_its_names_and_args).
+    one = [
+        r | {"config": r["config"].removesuffix(f" {specs[0]}")}
+        for r in rows
+        if r["spec"] in (None, specs[0])
+    ]
+    args = data["args"] | {"steps": 3, "topk": 1, "draft_tokens": 4}
+    (tmp_path / "a1.json").write_text(json.dumps(data | {"args": args, "results": one}))
+    rows = one
     # The size model against those figures: counts served on the same prompts, every map modelled.
-    out = run("validate_size_model.py", "--acceptance", str(tmp_path / "a.json"), "--prompt-sets", "timed",
+    out = run("validate_size_model.py", "--acceptance", str(tmp_path / "a1.json"), "--prompt-sets", "timed",
               "--domains", "code", "--batch-tail", "--json", str(tmp_path / "v.json"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "v.json").read_text())
