@@ -40,6 +40,8 @@ pytestmark = pytest.mark.server
 # every run here); a top-2 flip passes below this margin, as against tests/test_architectures.py's
 # HF reference, and the diverging ids must be HF's top two.
 HF_TIE_EPSILON = 1e-2
+# Accept length the shipped draft must reach in the demo (docs/results/gemma3-draft.txt).
+SHIPPED_DRAFT_ACCEPT_FLOOR = 1.5
 PLAIN, STOCK, PLUGIN = "plain greedy (reference)", "EAGLE, no map (stock)", "EAGLE + map (sglang-frspec)"
 
 
@@ -109,7 +111,9 @@ def test_eagle_at_tp2_decodes_as_plain_greedy(gemma3, demo, run):
     assert [tuple(a) for a in result["plugin"]] == expected_activity
     plain = demo["runs"][PLAIN]["outputs"]
     compare_greedy(gemma3.target, gemma3.prompts, result["outputs"], plain, TIE_EPSILON)
-    assert result["accept_length"] > 1.0  # drafts were accepted: the draft ran and was verified
+    # The shipped draft's floor on the fixture's prompts at the demo's spec (2 steps, topk 2, 4 draft
+    # tokens): measured 1.53 stock / 1.54 with the map; the previous draft gave 1.42 / 1.41.
+    assert result["accept_length"] >= SHIPPED_DRAFT_ACCEPT_FLOOR
 
 
 def test_demo_shows_the_text_each_run_generates(demo):
