@@ -3,8 +3,8 @@
 ``DraftRun`` keeps every stage's output under one work folder, in shards a later run skips, so a
 stopped run resumes where it stopped: ``corpus`` (token windows, prompts and held-out sets of seeded
 draws), ``generate`` (the target's greedy continuations of the prompts, bfloat16 with a KV cache),
-``features`` (the float32 target's final normed hidden states and its top-k next-token
-probabilities over the hot head), ``train`` (AdamW, checkpointed) and ``evaluate`` (held-out
+``features`` (the target's final normed hidden states and its top-k next-token probabilities
+over the hot head: bfloat16 for training, float32 for the held-out sets), ``train`` (AdamW, checkpointed) and ``evaluate`` (held-out
 first-step agreement and offline chain accept lengths). The draft model and its forward are
 ``tests/harness/eagle_draft.py``'s, which reproduce SGLang's ``LlamaForCausalLMEagle``.
 """
