@@ -59,6 +59,17 @@ def _adapter(shard, layout: str, hot: list[int], vocab: int):
     return HotSetAdapter(head, plan.hot_ids, counts, 1, ()), counts
 
 
+def _decided(adapter, shard) -> dict:
+    """What an adaptation decision left on this rank: the map, its head rows, its columns."""
+    plan = adapter.head.plan
+    return {
+        "hot_ids": plan.hot_ids.clone(),
+        "head": adapter.head.local_head.clone(),
+        "columns": (plan.offsets[shard.rank], plan.counts[shard.rank]),
+        "swapped": adapter.swapped,
+    }
+
+
 def fp8_head_adapts(payload: dict) -> dict:
     """A real ModelOpt FP8 ParallelLMHead (SGLang's stored, transposed layout): the adapter swaps
     the committed ids in under each layout. Returns, per layout, the hot ids and this rank's hot
@@ -76,13 +87,7 @@ def fp8_head_adapts(payload: dict) -> dict:
         adapter, counts = _adapter(shard, layout, payload["hot"], vocab)
         counts.add(committed, torch.tensor([committed.numel()]), committed.numel())
         adapter.after_verify()  # rank 0 decides, every rank applies
-        plan = adapter.head.plan
-        out[layout] = {
-            "hot_ids": plan.hot_ids.clone(),
-            "head": adapter.head.local_head.clone(),
-            "columns": (plan.offsets[shard.rank], plan.counts[shard.rank]),
-            "swapped": adapter.swapped,
-        }
+        out[layout] = _decided(adapter, shard)
     return out
 
 
@@ -132,11 +137,5 @@ def adapter_after_replaced_weights(payload: dict) -> dict:
         adapter.head.refresh()  # what the weight-update hook runs on every rank
         counts.add(committed, torch.tensor([committed.numel()]), committed.numel())
         adapter.after_verify()  # rank 0 decides, every rank applies
-        plan = adapter.head.plan
-        out[case] = {
-            "hot_ids": plan.hot_ids.clone(),
-            "head": adapter.head.local_head.clone(),
-            "columns": (plan.offsets[shard.rank], plan.counts[shard.rank]),
-            "swapped": adapter.swapped,
-        }
+        out[case] = _decided(adapter, shard)
     return out

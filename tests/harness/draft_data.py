@@ -4,9 +4,10 @@
 stopped run resumes where it stopped: ``corpus`` (token windows, prompts and held-out sets of seeded
 draws), ``generate`` (the target's greedy continuations of the prompts, bfloat16 with a KV cache),
 ``features`` (the target's final normed hidden states and its top-k next-token probabilities
-over the hot head: bfloat16 for training, float32 for the held-out sets), ``train`` (AdamW, checkpointed) and ``evaluate`` (held-out
-first-step agreement and offline chain accept lengths). The draft model and its forward are
-``tests/harness/eagle_draft.py``'s, which reproduce SGLang's ``LlamaForCausalLMEagle``.
+over the hot head: bfloat16 for training, float32 for the held-out sets), ``train`` (AdamW,
+checkpointed) and ``evaluate`` (held-out first-step agreement and offline chain accept lengths).
+The draft model and its forward are ``tests/harness/eagle_draft.py``'s, which reproduce SGLang's
+``LlamaForCausalLMEagle``.
 """
 
 from __future__ import annotations
@@ -246,15 +247,15 @@ class DraftRun:
         out["counts"] = counts
         save_atomic(out, self.work / "corpus.pt")
 
-    def _all_prompts(self) -> list[list[int]]:
-        corpus = self._corpus
+    @staticmethod
+    def _all_prompts(corpus: dict) -> list[list[int]]:
         return corpus["prompts"] + [p for ps in corpus["held_prompts"].values() for p in ps]
 
     def generate(self, batch: int) -> None:
         """The target's bfloat16 greedy continuations of every prompt (training, then held-out),
         up to ``seq`` tokens, in shards of ``batch`` (``gen/``; present shards are skipped)."""
         corpus = self._corpus
-        prompts = self._all_prompts()
+        prompts = self._all_prompts(corpus)
         folder = self.work / "gen"
         folder.mkdir(exist_ok=True)
         todo = [i for i in range(0, len(prompts), batch) if not (folder / f"{i:06d}.pt").exists()]
@@ -280,7 +281,7 @@ class DraftRun:
         """Training sequences (windows then continuations) and held-out sets by name."""
         corpus = self._corpus
         gens = torch.cat([torch.load(p) for p in sorted((self.work / "gen").glob("*.pt"))])
-        assert gens.shape[0] == len(self._all_prompts()), "generate is not finished"
+        assert gens.shape[0] == len(self._all_prompts(corpus)), "generate is not finished"
         n_train = len(corpus["prompts"])
         train = torch.cat([torch.tensor(corpus["text"]), gens[:n_train]])
         held = {f"{name}_text": torch.tensor(w) for name, w in corpus["held"].items()}
@@ -406,6 +407,7 @@ class DraftRun:
         embed, head = self._tables()
         hot = self.hot()
         held = torch.load(self.work / "held.pt")
+        corpus = self._corpus
         report: dict = {"held_out_top1_agreement": {}, "offline_chain": {}}
         for name, s in held.items():
             out = draft_hidden(draft, embed, s["ids"][:, 1:], s["feats"][:, :-1].float(), self.shape)
@@ -417,7 +419,7 @@ class DraftRun:
             }
             self.log(f"agreement {name}: {report['held_out_top1_agreement'][name]}")
             if name.endswith("_generated"):
-                prompt = self._corpus["prompt"]
+                prompt = corpus["prompt"]
                 counts = [
                     c
                     for ids, feats in zip(s["ids"], s["feats"])
@@ -431,7 +433,6 @@ class DraftRun:
                     "sequences": len(s["ids"]),
                 }
                 self.log(f"chain {name}: {report['offline_chain'][name]}")
-        corpus = self._corpus
         report["data"] = {
             "domains": corpus["counts"],
             "sequence_tokens": corpus["seq"],
