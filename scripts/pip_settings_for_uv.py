@@ -1,0 +1,34 @@
+"""Print pip's package sources and constraints as ``uv pip install`` arguments, one per line.
+
+uv reads no pip configuration; ``scripts/setup`` passes these so uv installs from the same indexes,
+find-links and constraint files that ``pip`` would use on this machine (``pip config list``: files
+and ``PIP_*`` variables)."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+FLAGS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
+         "constraint": "-c"}  # fmt: skip
+
+
+def main() -> None:
+    listing = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True
+    ).stdout
+    seen: set[tuple[str, str]] = set()
+    for line in listing.splitlines():
+        key, _, value = line.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        if name not in FLAGS:
+            continue
+        for item in shlex.split(value)[0].split() if value else []:
+            if (name, item) not in seen:
+                seen.add((name, item))
+                print(FLAGS[name], item, sep="\n")
+
+
+if __name__ == "__main__":
+    main()
