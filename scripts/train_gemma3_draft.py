@@ -77,6 +77,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ce-weight", type=float, default=1.0, help="token loss weight (feature loss 1)")
     p.add_argument("--unroll", type=int, default=2, help="draft steps trained (each reads the last's output)")
+    p.add_argument(
+        "--checkpoint", default="checkpoint.pt", help="training checkpoint under --work (runs side by side)"
+    )
+    p.add_argument("--init", type=Path, help="warm start: a checkpoint (new optimizer)")
     p.add_argument("--save-every", type=int, default=25, help="steps between training checkpoints")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--serve", action="store_true", help="measure served accept lengths of --out")
@@ -99,6 +103,7 @@ def main() -> None:
         shape=shape,
         seed=args.seed,
         log=draft_data.stderr_log(),
+        checkpoint=args.checkpoint,
     )
     stages = [args.stage] if args.stage else STAGES
     if "corpus" in stages:
@@ -122,6 +127,7 @@ def main() -> None:
             ce_weight=args.ce_weight,
             unroll=args.unroll,
             save_every=args.save_every,
+            init=args.init,
         )
     if "evaluate" in stages:
         report = run.evaluate(steps=CHAIN[0])

@@ -93,8 +93,9 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     domains = {"chain": ([chain] * 4, [chain])}
     shape = LayerShape(64, 2, 2, 32, 128)
 
-    def run(work: Path) -> DraftRun:
-        return DraftRun(work, Path(fixture.target), Path(fixture.token_map()), shape, log=lambda _: None)
+    def run(work: Path, checkpoint: str = "checkpoint.pt") -> DraftRun:
+        target, token_map = Path(fixture.target), Path(fixture.token_map())
+        return DraftRun(work, target, token_map, shape, log=lambda _: None, checkpoint=checkpoint)
 
     def prepare(work: Path) -> DraftRun:
         r = run(work)
@@ -124,3 +125,13 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     resumed, straight = stopped.trained_draft(), whole.trained_draft()
     assert resumed.keys() == straight.keys()
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+    # A warm start (an ablation beside the first run, on the same data): its own checkpoint, the
+    # first run's weights before any step; then trained on, and the first run's checkpoint kept.
+    warm = run(tmp_path / "stopped", checkpoint="warm.pt")
+    warm.train(epochs=1.0, stop_at=0, init=whole.work / whole.checkpoint, **train)
+    assert all(torch.equal(warm.trained_draft()[k], straight[k]) for k in straight)
+    warm.train(epochs=1.0, init=whole.work / whole.checkpoint, **train | {"lr": 1e-3})
+    assert warm.evaluate(steps=3)["data"]["steps"] == 12
+    assert not all(torch.equal(warm.trained_draft()[k], straight[k]) for k in straight)
+    assert all(torch.equal(stopped.trained_draft()[k], straight[k]) for k in straight)

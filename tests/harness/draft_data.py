@@ -193,6 +193,7 @@ class DraftRun:
     shape: LayerShape
     seed: int = 0
     log: Callable[[str], None] = field(default_factory=stderr_log)
+    checkpoint: str = "checkpoint.pt"  # under ``work``: runs side by side on the same data
 
     def __post_init__(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -338,16 +339,19 @@ class DraftRun:
         unroll: int,
         save_every: int,
         stop_at: int | None = None,
+        init: Path | None = None,
     ) -> None:
         """AdamW over the draft for ``epochs`` passes over the training sequences, resuming from
-        ``checkpoint.pt`` (saved every ``save_every`` steps and where the run stops). ``stop_at``
-        ends this run after that step, as an interrupted run would: the next call goes on."""
+        ``self.checkpoint`` (saved every ``save_every`` steps and where the run stops). ``stop_at``
+        ends this run after that step, as an interrupted run would: the next call goes on. ``init``
+        (another run's checkpoint) warm-starts the draft's weights with a fresh optimizer and
+        schedule instead of a random init."""
         shards = [torch.load(p) for p in sorted((self.work / "feat").glob("*.pt"))]
         data = {k: torch.cat([s[k] for s in shards]) for k in ("ids", "feats", "top", "probs")}
         count, tokens = data["ids"].shape[0], data["ids"].shape[1] - 1
         steps = int(epochs * count) // batch
         end = steps if stop_at is None else min(stop_at, steps)
-        path = self.work / "checkpoint.pt"
+        path = self.work / self.checkpoint
         state = torch.load(path) if path.exists() else None
         start = state["step"] if state else 0
         if state is not None and start >= end:
@@ -355,7 +359,12 @@ class DraftRun:
         embed, head = self._tables()
         head = head.bfloat16()
         gen = torch.Generator().manual_seed(self.seed + 1)
-        draft = state["draft"] if state else init_draft(self.shape.hidden, self.shape, gen)
+        if state:
+            draft = state["draft"]
+        elif init is not None:
+            draft = {k: v.clone() for k, v in torch.load(init)["draft"].items()}
+        else:
+            draft = init_draft(self.shape.hidden, self.shape, gen)
         opt, sched = adam(draft, max(steps, 1), lr)
         losses = state["losses"] if state else []
         if state is not None:
@@ -395,14 +404,14 @@ class DraftRun:
 
     def trained_draft(self) -> dict[str, torch.Tensor]:
         """The trained draft in bfloat16, as shipped."""
-        return {k: v.to(torch.bfloat16) for k, v in torch.load(self.work / "checkpoint.pt")["draft"].items()}
+        return {k: v.to(torch.bfloat16) for k, v in torch.load(self.work / self.checkpoint)["draft"].items()}
 
     @torch.no_grad()
     def evaluate(self, steps: int) -> dict:
         """Held-out first-step top-1 agreement (the draft's argmax over the hot head against the
         target's over the full vocabulary) per set, and offline chain accept lengths (``steps``
         steps, top-k 1) on the held-out continuations."""
-        state = torch.load(self.work / "checkpoint.pt")
+        state = torch.load(self.work / self.checkpoint)
         draft = {k: v.to(torch.bfloat16).float() for k, v in state["draft"].items()}  # as served
         embed, head = self._tables()
         hot = self.hot()
