@@ -273,8 +273,9 @@ def timed_batch(
 
 def measure(group: list[Config], servers: dict, prompts: dict, args) -> None:
     """Interleaved rounds over the (suspended) servers of ``group``; each round times every domain's
-    prompts in each concurrency mode."""
-    for round_ in range(args.rounds + 1):  # round 0 warms up and is not kept
+    prompts in each concurrency mode. Round 0 warms up, untimed: one batch of each size, 4 tokens
+    (every shape the timed rounds run, at a fraction of their time)."""
+    for round_ in range(args.rounds + 1):
         order = group[round_ % len(group) :] + group[: round_ % len(group)]
         for config in order:
             server = servers[config.name]
@@ -283,10 +284,12 @@ def measure(group: list[Config], servers: dict, prompts: dict, args) -> None:
             timed_batch(server, prompts[DOMAINS[-1]][:1], 4)
             for domain in DOMAINS:
                 for at_once in args.concurrency:
+                    if not round_:
+                        timed_batch(server, prompts[domain][:at_once], 4)
+                        continue
                     sample = timed_batch(server, prompts[domain], args.max_new_tokens, at_once)
-                    if round_:
-                        sample["group"] = tuple(c.name for c in group)
-                        config.samples[domain, at_once].append(sample)
+                    sample["group"] = tuple(c.name for c in group)
+                    config.samples[domain, at_once].append(sample)
             server.suspend()
 
 
