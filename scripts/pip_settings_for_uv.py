@@ -18,16 +18,14 @@ def main() -> None:
     listing = subprocess.run(
         [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True
     ).stdout
-    seen: set[tuple[str, str]] = set()
+    settings: dict[tuple[str, str], None] = {}  # (flag, value) in pip's order, each once
     for line in listing.splitlines():
-        key, _, value = line.partition("=")
-        name = key.rsplit(".", 1)[-1]
-        if name not in FLAGS:
-            continue
-        for item in shlex.split(value)[0].split() if value else []:
-            if (name, item) not in seen:
-                seen.add((name, item))
-                print(FLAGS[name], item, sep="\n")
+        key, _, quoted = line.partition("=")
+        flag = FLAGS.get(key.rsplit(".", 1)[-1])
+        if flag and quoted:
+            settings |= dict.fromkeys((flag, item) for item in shlex.split(quoted)[0].split())
+    for flag, item in settings:
+        print(flag, item, sep="\n")
 
 
 if __name__ == "__main__":

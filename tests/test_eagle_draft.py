@@ -130,8 +130,10 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     # first run's weights before any step; then trained on, and the first run's checkpoint kept.
     warm = run(tmp_path / "stopped", checkpoint="warm.pt")
     warm.train(epochs=1.0, stop_at=0, init=whole.work / whole.checkpoint, **train)
-    assert all(torch.equal(warm.trained_draft()[k], straight[k]) for k in straight)
+    untrained = warm.trained_draft()
+    assert all(torch.equal(untrained[k], straight[k]) for k in straight)
     warm.train(epochs=1.0, init=whole.work / whole.checkpoint, **train | {"lr": 1e-3})
     assert warm.evaluate(steps=3)["data"]["steps"] == 12
-    assert not all(torch.equal(warm.trained_draft()[k], straight[k]) for k in straight)
-    assert all(torch.equal(stopped.trained_draft()[k], straight[k]) for k in straight)
+    trained, kept = warm.trained_draft(), stopped.trained_draft()
+    assert not all(torch.equal(trained[k], straight[k]) for k in straight)
+    assert all(torch.equal(kept[k], straight[k]) for k in straight)

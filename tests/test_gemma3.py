@@ -10,9 +10,9 @@ embedding table every rank holds whole (``Gemma3ForCausalLM.get_embed_and_head``
 
 The TP=1 batch also holds a prompt of 700 tokens, past Gemma 3's 512-token sliding window: the
 CPU attention stand-in (``sglang_frspec/demo/cpu_site/sgl_kernel``) must apply the window as
-Gemma 3 does. The demo's servers run with torch.compile on (the CPU environment turns it off
+Gemma 3 does. That TP=1 server runs with torch.compile on (the CPU environment turns it off
 elsewhere, to save its warm-up): the CPU site's torch patches must leave SGLang's compiled
-functions (Gemma 3's rotary embedding, the EAGLE draft's top-k) traceable.
+functions (here Gemma 3's rotary embedding) traceable.
 
 One server or server set runs at a time (a TP=2 server of this model holds about 7.5 GB: 2.7 GB
 per rank, 2.2 GB in its launcher and detokenizer).
