@@ -15,7 +15,7 @@ from hypothesis import settings
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, CPU_SITE, cpu_env, eagle_args
 from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture
 from sglang_frspec.demo.server import Launch, SGLangServer
-from tests.harness.zygote import forked_launch
+from tests.harness.zygote import ZYGOTES_STARTED, forked_launch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -185,3 +185,7 @@ def pytest_terminal_summary(terminalreporter):
         write(f"server start-ups: {len(starts)}, {total:.0f} s, {total / len(starts):.1f} s on average")
         for test, seconds in sorted(starts, key=lambda ts: -ts[1])[:5]:
             write(f"{seconds:8.1f} s  start-up in {test}")
+    if ZYGOTES_STARTED:
+        write(f"zygotes started: {len(ZYGOTES_STARTED)} (each preloads SGLang, ~20 s; new because of)")
+        for preload, changed in ZYGOTES_STARTED:
+            write(f"  {preload}: {', '.join(changed) or 'the first'}")

@@ -38,18 +38,26 @@ PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
 # Set in the child, after the fork, so that one zygote serves every value: no module a zygote
 # preloads reads them at import (SGLang reads SGLANG_PLUGINS in load_plugins and the thread binding
 # when a rank starts, sglang 0.5.23 plugins/__init__.py, utils/numa_utils.py; this plugin reads its
-# SGLANG_FRSPEC_* options in FrSpecOptions.from_env). Prefixes end with "_".
-LATE_VARIABLES = ("SGLANG_PLUGINS", "SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_FRSPEC_")
+# SGLANG_FRSPEC_* options in FrSpecOptions.from_env; the CPU site reads SGL_SHIM_LOG at each op
+# call, cpu_site/sgl_kernel/__init__.py _log). Prefixes end with "_".
+LATE_VARIABLES = ("SGLANG_PLUGINS", "SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_FRSPEC_", "SGL_SHIM_LOG")
 
 
-# What the launcher imports before it loads plugins (sglang 0.5.23 launch_server.py): a forked
-# launcher loads them, and imports everything after, itself, as a fresh one does.
+# What the launcher imports before it loads plugins (sglang 0.5.23 launch_server.py), then the HTTP
+# server it imports after them (~9.5 s) and the model registry each scheduler imports (it imports
+# every model module, ~3.6 s): together most of a forked server's start-up. Importing the last two
+# before the plugin loads is safe because every hook in adapters/hooks.py is set on a class
+# attribute, which SGLang looks up at call time whatever was imported first
+# (srt/plugins/hook_registry.py:290); the fresh order is what new-Python launches run (the CPU demo
+# in test_cli.py, the benchmarks).
 LAUNCHER_PRELOAD = (
     "sglang.srt.arg_groups.overrides",
     "sglang.srt.plugins",
     "sglang.srt.server_args",
     "sglang.srt.utils",
     "sglang.srt.utils.common",
+    "sglang.srt.entrypoints.http_server",
+    "sglang.srt.models.registry",
 )
 
 
@@ -139,6 +147,9 @@ class Zygote:
 
 _zygotes: dict[tuple, Zygote] = {}
 _zygotes_lock = threading.Lock()
+# Every zygote started, as (its first preload module, the variables and preloads that set its key
+# apart from the previous zygote's): a suite that starts many (each ~20 s of imports) shows here.
+ZYGOTES_STARTED: list[tuple[str, list[str]]] = []
 
 
 def fork_module(
@@ -171,10 +182,25 @@ def zygote_for(env: dict, preload: tuple[str, ...]) -> Zygote:
         zygote = _zygotes.pop(key, None)
         if zygote is None or zygote.proc.poll() is not None:
             zygote = Zygote(env, preload)
+            ZYGOTES_STARTED.append((preload[0] if preload else "-", _key_change(key)))
         _zygotes[key] = zygote  # most recently used last
         while len(_zygotes) > MAX_ZYGOTES:
             _zygotes.pop(next(iter(_zygotes))).close()
         return zygote
+
+
+_last_key: tuple = ((), ())
+
+
+def _key_change(key: tuple) -> list[str]:
+    """The variables (and the preload list) in which ``key`` differs from the last zygote's key."""
+    global _last_key
+    (env, preload), (last_env, last_preload) = key, _last_key
+    _last_key = key
+    if not last_env:
+        return []
+    changed = sorted(dict(set(env) ^ set(last_env)))
+    return changed + (["<preload>"] if preload != last_preload else [])
 
 
 def _exists(pid: int) -> bool:
