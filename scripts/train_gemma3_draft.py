@@ -80,7 +80,9 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--checkpoint", default="checkpoint.pt", help="training checkpoint under --work (runs side by side)"
     )
-    p.add_argument("--init", type=Path, help="warm start: a checkpoint (new optimizer)")
+    p.add_argument(
+        "--init", type=Path, help="warm start: a checkpoint or a draft folder such as --out (new optimizer)"
+    )
     p.add_argument("--save-every", type=int, default=25, help="steps between training checkpoints")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--serve", action="store_true", help="measure served accept lengths of --out")

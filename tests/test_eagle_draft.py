@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tests.harness.eagle_draft import LayerShape, draft_hidden, init_draft
+from tests.harness.eagle_draft import LayerShape, draft_hidden, init_draft, save_eagle_draft
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "sglang_frspec" / "demo" / "gemma3_draft"
@@ -137,3 +137,12 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     trained, kept = warm.trained_draft(), stopped.trained_draft()
     assert not all(torch.equal(trained[k], straight[k]) for k in straight)
     assert all(torch.equal(kept[k], straight[k]) for k in straight)
+
+    # A warm start from a saved draft folder (the shipped draft): its bfloat16 weights, as saved.
+    folder = tmp_path / "saved_draft"
+    save_eagle_draft(folder, trained, json.loads((Path(fixture.target) / "config.json").read_text()), shape)
+    from_folder = run(tmp_path / "stopped", checkpoint="from_folder.pt")
+    from_folder.train(epochs=1.0, stop_at=0, init=folder, **train)
+    loaded = from_folder.trained_draft()
+    assert loaded.keys() == trained.keys()
+    assert all(torch.equal(loaded[k], trained[k]) for k in trained)

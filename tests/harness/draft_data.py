@@ -177,6 +177,15 @@ def unrolled_loss(
     return loss / unroll
 
 
+def warm_start(init: Path) -> dict[str, torch.Tensor]:
+    """A draft's weights in float32 from a training checkpoint or a saved draft folder."""
+    if init.is_dir():
+        from safetensors.torch import load_file
+
+        return {k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()}
+    return {k: v.clone() for k, v in torch.load(init)["draft"].items()}
+
+
 def save_atomic(obj, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
@@ -345,7 +354,7 @@ class DraftRun:
         ``self.checkpoint`` (saved every ``save_every`` steps and where the run stops). ``stop_at``
         ends this run after that step, as an interrupted run would: the next call goes on. ``init``
         (another run's checkpoint) warm-starts the draft's weights with a fresh optimizer and
-        schedule instead of a random init."""
+        schedule instead of a random init; a draft folder (``model.safetensors``, as shipped) works too."""
         shards = [torch.load(p) for p in sorted((self.work / "feat").glob("*.pt"))]
         data = {k: torch.cat([s[k] for s in shards]) for k in ("ids", "feats", "top", "probs")}
         count, tokens = data["ids"].shape[0], data["ids"].shape[1] - 1
@@ -362,7 +371,7 @@ class DraftRun:
         if state:
             draft = state["draft"]
         elif init is not None:
-            draft = {k: v.clone() for k, v in torch.load(init)["draft"].items()}
+            draft = warm_start(init)
         else:
             draft = init_draft(self.shape.hidden, self.shape, gen)
         opt, sched = adam(draft, max(steps, 1), lr)
