@@ -133,6 +133,38 @@ def target_features(
     return out
 
 
+class _HotHeadCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``rows @ head.T`` (bfloat16 matmul, float32 softmax) against sparse
+    targets, in ROW_CHUNK-row pieces. The backward recomputes each piece's logits instead of
+    keeping them: autograd's graph would hold [rows, H] float32 logits and run a dozen elementwise
+    passes over them, where the gradient is one: softmax x (target mass) - targets, scattered."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, head: torch.Tensor, top: torch.Tensor, probs: torch.Tensor):
+        # rows [N, D] float32; head [H, D] bfloat16; top [N, K] positions into head; probs [N, K]
+        total = torch.zeros((), dtype=torch.float64)
+        lse = torch.empty(rows.shape[0])
+        for i in range(0, rows.shape[0], ROW_CHUNK):
+            logits = (rows[i : i + ROW_CHUNK].bfloat16() @ head.T).float()  # [n, H]
+            lse[i : i + ROW_CHUNK] = logits.logsumexp(-1)
+            log_q = logits.gather(1, top[i : i + ROW_CHUNK]) - lse[i : i + ROW_CHUNK, None]  # [n, K]
+            total -= (probs[i : i + ROW_CHUNK] * log_q).sum().double()
+        ctx.save_for_backward(rows, head, top, probs, lse)
+        return total.float()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, head, top, probs, lse = ctx.saved_tensors
+        grad_rows = torch.empty_like(rows)
+        mass = probs.sum(-1, keepdim=True)  # [N, 1]
+        for i in range(0, rows.shape[0], ROW_CHUNK):
+            logits = (rows[i : i + ROW_CHUNK].bfloat16() @ head.T).float()
+            dlogits = logits.sub_(lse[i : i + ROW_CHUNK, None]).exp_().mul_(mass[i : i + ROW_CHUNK])
+            dlogits.scatter_add_(1, top[i : i + ROW_CHUNK], -probs[i : i + ROW_CHUNK])
+            grad_rows[i : i + ROW_CHUNK] = (dlogits.bfloat16() @ head).float()
+        return grad_rows * grad, None, None, None
+
+
 def sparse_head_loss(
     out: torch.Tensor, head: torch.Tensor, top: torch.Tensor, probs: torch.Tensor
 ) -> torch.Tensor:
@@ -140,12 +172,7 @@ def sparse_head_loss(
     against the target's top-k probabilities renormalized (``top``, ``probs`` ``[..., K]``)."""
     rows, top, probs = out.flatten(0, -2), top.flatten(0, -2).long(), probs.flatten(0, -2).float()
     probs = probs / probs.sum(-1, keepdim=True)
-    total = torch.zeros(())
-    for i in range(0, rows.shape[0], ROW_CHUNK):
-        logits = (rows[i : i + ROW_CHUNK].bfloat16() @ head.T).float()
-        log_q = logits.gather(1, top[i : i + ROW_CHUNK]) - logits.logsumexp(-1, keepdim=True)
-        total = total - (probs[i : i + ROW_CHUNK] * log_q).sum()
-    return total / rows.shape[0]
+    return _HotHeadCrossEntropy.apply(rows, head, top, probs) / rows.shape[0]
 
 
 def unrolled_loss(
