@@ -133,6 +133,11 @@ def target_features(
     return out
 
 
+def _chunk_logits(rows: torch.Tensor, head: torch.Tensor, start: int) -> torch.Tensor:
+    """Float32 logits of ``rows[start : start + ROW_CHUNK]`` over ``head``, bfloat16 matmul: [n, H]."""
+    return (rows[start : start + ROW_CHUNK].bfloat16() @ head.T).float()
+
+
 class _HotHeadCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``rows @ head.T`` (bfloat16 matmul, float32 softmax) against sparse
     targets, in ROW_CHUNK-row pieces. The backward recomputes each piece's logits instead of
@@ -145,7 +150,7 @@ class _HotHeadCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float64)
         lse = torch.empty(rows.shape[0])
         for i in range(0, rows.shape[0], ROW_CHUNK):
-            logits = (rows[i : i + ROW_CHUNK].bfloat16() @ head.T).float()  # [n, H]
+            logits = _chunk_logits(rows, head, i)
             lse[i : i + ROW_CHUNK] = logits.logsumexp(-1)
             log_q = logits.gather(1, top[i : i + ROW_CHUNK]) - lse[i : i + ROW_CHUNK, None]  # [n, K]
             total -= (probs[i : i + ROW_CHUNK] * log_q).sum().double()
@@ -158,8 +163,8 @@ class _HotHeadCrossEntropy(torch.autograd.Function):
         grad_rows = torch.empty_like(rows)
         mass = probs.sum(-1, keepdim=True)  # [N, 1]
         for i in range(0, rows.shape[0], ROW_CHUNK):
-            logits = (rows[i : i + ROW_CHUNK].bfloat16() @ head.T).float()
-            dlogits = logits.sub_(lse[i : i + ROW_CHUNK, None]).exp_().mul_(mass[i : i + ROW_CHUNK])
+            softmax = _chunk_logits(rows, head, i).sub_(lse[i : i + ROW_CHUNK, None]).exp_()
+            dlogits = softmax.mul_(mass[i : i + ROW_CHUNK])
             dlogits.scatter_add_(1, top[i : i + ROW_CHUNK], -probs[i : i + ROW_CHUNK])
             grad_rows[i : i + ROW_CHUNK] = (dlogits.bfloat16() @ head).float()
         return grad_rows * grad, None, None, None
