@@ -72,6 +72,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--gen-batch", type=int, default=128)
     p.add_argument("--topk", type=int, default=16, help="target probabilities kept per position")
     p.add_argument("--inter", type=int, default=2048, help="the draft's MLP width")
+    p.add_argument(
+        "--layers", type=int, default=1, help="the draft's decoder layers (a warm start gains identity ones)"
+    )
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--epochs", type=float, default=0.85, help="passes over the training sequences")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -130,6 +133,7 @@ def main() -> None:
             unroll=args.unroll,
             save_every=args.save_every,
             init=args.init,
+            layers=args.layers,
         )
     if "evaluate" in stages:
         report = run.evaluate(steps=CHAIN[0])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.harness.eagle_draft import LayerShape, draft_hidden, init_draft, save_eagle_draft
@@ -20,7 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "sglang_frspec" / "demo" / "gemma3_draft"
 
 
-def test_draft_forward_equals_transformers_llama_layer_without_input_and_final_norm():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_draft_forward_equals_transformers_llama_layers_without_first_input_and_final_norm(layers):
     from transformers import LlamaConfig, LlamaModel
 
     # head_dim != hidden / heads, GQA, a non-default rope theta and eps: each is a way to differ.
@@ -35,15 +37,19 @@ def test_draft_forward_equals_transformers_llama_layer_without_input_and_final_n
     }
     shape = LayerShape.from_config(cfg)
     gen = torch.Generator().manual_seed(0)
-    draft = init_draft(48, shape, gen)
-    draft["layers.0.post_attention_layernorm.weight"] = torch.rand(48, generator=gen) + 0.5
+    draft = init_draft(48, shape, gen, layers)
+    for name in [k for k in draft if k.endswith("layernorm.weight")]:
+        draft[name] = torch.rand(48, generator=gen) + 0.5
     embed = torch.randn(100, 48, generator=gen)
     ids = torch.randint(0, 100, (2, 12), generator=gen)
     features = torch.randn(2, 12, 48, generator=gen)
 
-    hf = LlamaModel(LlamaConfig(**cfg, vocab_size=100, num_hidden_layers=1, attn_implementation="eager"))
-    layer_weights = {k.removeprefix("layers.0."): v for k, v in draft.items() if k.startswith("layers.0.")}
-    hf.layers[0].load_state_dict(layer_weights, strict=False)
+    hf = LlamaModel(LlamaConfig(**cfg, vocab_size=100, num_hidden_layers=layers, attn_implementation="eager"))
+    for i in range(layers):
+        weights = {
+            k.removeprefix(f"layers.{i}."): v for k, v in draft.items() if k.startswith(f"layers.{i}.")
+        }
+        hf.layers[i].load_state_dict(weights, strict=i > 0)
     hf.layers[0].input_layernorm = torch.nn.Identity()
     hf.norm = torch.nn.Identity()
     fc = torch.cat([embed[ids], features], -1) @ draft["fc.weight"].T + draft["fc.bias"]
@@ -66,7 +72,8 @@ def test_shipped_gemma3_draft_is_small_complete_and_servable_at_tp2():
     assert config["max_position_embeddings"] == 32768
     shape = LayerShape.from_config(config)
     assert shape.heads % 2 == 0 and shape.kv_heads % 2 == 0  # served at TP=2
-    expected = {k: v.shape for k, v in init_draft(shape.hidden, shape, torch.Generator()).items()}
+    layers = config["num_hidden_layers"]
+    expected = {k: v.shape for k, v in init_draft(shape.hidden, shape, torch.Generator(), layers).items()}
     with safe_open(str(weights), "pt") as f:
         shipped = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     assert {k: v.shape for k, v in shipped.items()} == expected  # no embed_tokens or lm_head
@@ -146,6 +153,25 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     loaded = from_folder.trained_draft()
     assert loaded.keys() == trained.keys()
     assert all(torch.equal(loaded[k], trained[k]) for k in trained)
+
+    # A deeper draft warm-started from it: a second layer that starts as the identity, saved as a
+    # two-layer LlamaForCausalLMEagle.
+    deeper = run(tmp_path / "stopped", checkpoint="deeper.pt")
+    deeper.train(epochs=1.0, stop_at=0, init=folder, layers=2, **train)
+    grown = deeper.trained_draft()
+    second = {k.replace("layers.0.", "layers.1.") for k in loaded if k.startswith("layers.0.")}
+    assert grown.keys() - loaded.keys() == second | {"layers.1.input_layernorm.weight"}
+    embed = torch.randn(512, 64, generator=torch.Generator().manual_seed(1))
+    ids, feats = torch.randint(0, 512, (2, 10)), torch.randn(2, 10, 64)
+    one, two = ({k: v.float() for k, v in d.items()} for d in (loaded, grown))
+    assert torch.equal(
+        draft_hidden(two, embed, ids, feats, shape), draft_hidden(one, embed, ids, feats, shape)
+    )
+    deeper.train(epochs=1.0, init=folder, layers=2, **train | {"lr": 1e-3})
+    assert deeper.trained_draft()["layers.1.mlp.down_proj.weight"].abs().max() > 0  # it trains
+    target_cfg = json.loads((Path(fixture.target) / "config.json").read_text())
+    save_eagle_draft(tmp_path / "deeper", deeper.trained_draft(), target_cfg, shape)
+    assert json.loads((tmp_path / "deeper" / "config.json").read_text())["num_hidden_layers"] == 2
 
 
 def test_hot_head_loss_and_gradient_equal_autograd_over_the_full_softmax():

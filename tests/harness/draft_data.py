@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tests.harness.eagle_draft import LayerShape, adam, draft_hidden, init_draft
+from tests.harness.eagle_draft import LayerShape, adam, draft_hidden, draft_layers, grow_draft, init_draft
 
 HELD_OUT_EVERY = 8  # a file is held out when its name's hash is 7 mod 8
 ROW_CHUNK = 1024  # rows per hot-head matmul in the loss: [1024, H] logits
@@ -381,12 +381,14 @@ class DraftRun:
         save_every: int,
         stop_at: int | None = None,
         init: Path | None = None,
+        layers: int = 1,
     ) -> None:
         """AdamW over the draft for ``epochs`` passes over the training sequences, resuming from
         ``self.checkpoint`` (saved every ``save_every`` steps and where the run stops). ``stop_at``
         ends this run after that step, as an interrupted run would: the next call goes on. ``init``
         (another run's checkpoint) warm-starts the draft's weights with a fresh optimizer and
-        schedule instead of a random init; a draft folder (``model.safetensors``, as shipped) works too."""
+        schedule instead of a random init; a draft folder (``model.safetensors``, as shipped) works too.
+        ``layers`` decoder layers: a warm start from fewer gains layers that start as the identity."""
         shards = [torch.load(p) for p in sorted((self.work / "feat").glob("*.pt"))]
         data = {k: torch.cat([s[k] for s in shards]) for k in ("ids", "feats", "top", "probs")}
         count, tokens = data["ids"].shape[0], data["ids"].shape[1] - 1
@@ -403,9 +405,9 @@ class DraftRun:
         if state:
             draft = state["draft"]
         elif init is not None:
-            draft = warm_start(init)
+            draft = grow_draft(warm_start(init), layers, self.shape, gen)
         else:
-            draft = init_draft(self.shape.hidden, self.shape, gen)
+            draft = init_draft(self.shape.hidden, self.shape, gen, layers)
         opt, sched = adam(draft, max(steps, 1), lr)
         losses = state["losses"] if state else []
         if state is not None:
@@ -499,6 +501,7 @@ class DraftRun:
         report["draft"] = {
             "class": "LlamaForCausalLMEagle",
             "parameters": sum(v.numel() for v in draft.values()),
+            "layers": draft_layers(draft),
         }
         report["draft"] |= {
             k: getattr(self.shape, k) for k in ("hidden", "heads", "kv_heads", "head_dim", "inter")

@@ -113,20 +113,39 @@ def layer(p: dict, prefix: str, x: torch.Tensor, shape: LayerShape) -> torch.Ten
     return x + (F.silu(gate) * up) @ p[f"{prefix}mlp.down_proj.weight"].T
 
 
-def init_draft(hidden: int, shape: LayerShape, gen: torch.Generator) -> dict:
-    """A one-layer draft's random ``fc`` and layer (no embedding or head)."""
+def init_draft(hidden: int, shape: LayerShape, gen: torch.Generator, layers: int = 1) -> dict:
+    """A draft's random ``fc`` and ``layers`` decoder layers (no embedding or head)."""
     draft = {"fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) / math.sqrt(2 * hidden)}
     draft["fc.bias"] = torch.zeros(hidden)
-    init_layer(draft, "layers.0.", gen, input_ln=False, shape=shape)
+    for i in range(layers):
+        init_layer(draft, f"layers.{i}.", gen, input_ln=i > 0, shape=shape)
     return draft
+
+
+def draft_layers(p: dict) -> int:
+    """How many decoder layers a draft's parameters hold."""
+    return 1 + max(int(k.split(".")[1]) for k in p if k.startswith("layers."))
+
+
+def grow_draft(p: dict, layers: int, shape: LayerShape, gen: torch.Generator) -> dict:
+    """``p`` with random layers appended up to ``layers``, each with zero output projections: the
+    grown draft computes what ``p`` does until training moves them (a warm start for a deeper draft)."""
+    grown = dict(p)
+    for i in range(draft_layers(p), layers):
+        init_layer(grown, f"layers.{i}.", gen, input_ln=True, shape=shape)
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            grown[f"layers.{i}.{name}"].zero_()
+    return grown
 
 
 def draft_hidden(
     p: dict, embed: torch.Tensor, ids: torch.Tensor, features: torch.Tensor, shape: LayerShape
 ) -> torch.Tensor:
-    """The EAGLE draft's output: fc([embed(ids) | features]), one layer, no final norm."""
+    """The EAGLE draft's output: fc([embed(ids) | features]), its layers, no final norm."""
     x = torch.cat([embed[ids], features], -1) @ p["fc.weight"].T + p["fc.bias"]
-    return layer(p, "layers.0.", x, shape)
+    for i in range(draft_layers(p)):
+        x = layer(p, f"layers.{i}.", x, shape)
+    return x
 
 
 def head_loss(
@@ -225,9 +244,8 @@ def save_eagle_draft(out: Path, draft: dict, cfg: dict, shape: LayerShape) -> No
 
     from sglang_frspec.demo.fixtures import llama_config
 
-    config = llama_config(
-        "LlamaForCausalLMEagle", cfg["vocab_size"], shape.hidden, 1, shape.inter, shape.heads
-    )
+    layers, vocab = draft_layers(draft), cfg["vocab_size"]
+    config = llama_config("LlamaForCausalLMEagle", vocab, shape.hidden, layers, shape.inter, shape.heads)
     shared = ("bos_token_id", "eos_token_id", "pad_token_id", "rms_norm_eps", "max_position_embeddings")
     config |= {key: cfg[key] for key in shared if key in cfg}
     config |= {
