@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from sglang_frspec.demo.cpu import cpu_env
 from sglang_frspec.demo.server import plugin_activity
 from tests.harness import sampling_law as law
 from tests.harness.fixtures import random_fixture, sharp_draft_fixture
@@ -20,6 +21,12 @@ NEW = 24
 def assert_plugin_active(server, num_hot: int, tp: int, layout: str = "balanced", exchange: str = "full"):
     """The plugin installed its hot head on this server: one line from rank 0, with these settings."""
     assert plugin_activity(server.log()) == [(num_hot, tp, layout, exchange)]
+
+
+def rank_threads(log: str) -> dict[int, tuple[int, list[int]]]:
+    """Each TP rank's torch threads and cores, as the CPU site's binding read them back."""
+    lines = re.findall(r"TP(\d+)\] frspec-cpu: rank threads (\d+) on cores \[([\d, ]*)\]", log)
+    return {int(r): (int(n), [int(c) for c in cores.split(", ")]) for r, n, cores in lines}
 
 
 def num_hot(token_map: str) -> int:
@@ -98,6 +105,10 @@ def test_tp2_random_weights_match_plain_decoding(start_server):
     fixture = random_fixture()
     prompts = [[5, 77, 1203], [31000, 17], [9, 9, 9, 9, 12000]]
     plain = start_server(fixture, 2, eagle=False)
+    # Each rank on its own core with one thread, as SGLang binds ranks where its AMX kernels exist
+    # (not here): unbound, both ranks ran torch's default threads (all cores) over the same cores.
+    cores = [int(c) for c in cpu_env(2)["SGLANG_CPU_OMP_THREADS_BIND"].split("|")]  # one core a rank
+    assert rank_threads(plain.log()) == {rank: (1, [core]) for rank, core in enumerate(cores)}
     expected = [o["output_ids"] for o in plain.generate(prompts, NEW)]
     plain.stop()
     server = start_server(fixture, 2, fixture.token_map("hot"))

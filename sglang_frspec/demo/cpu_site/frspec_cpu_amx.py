@@ -24,11 +24,46 @@ import importlib
 from collections.abc import Callable
 
 VERIFY = "sglang.srt.speculative.eagle_utils."
+THREADS_ENV = "sglang.srt.distributed.bootstrap._init_cpu_threads_env"
 
 
 def _sampling_verify_on_cpu(original: Callable[..., bool], *, is_cpu: bool, **flags: bool) -> bool:
     """``_verify_uses_greedy`` as on a device with sampling kernels: only all-greedy batches go greedy."""
     return original(is_cpu=False, **flags)
+
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """The cores of a ``SGLANG_CPU_OMP_THREADS_BIND`` entry such as ``0``, ``0-3`` or ``0-3,8``."""
+    cores = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cores += range(int(first), int(last or first) + 1)
+    return cores
+
+
+def _bind_rank_threads(original: Callable[..., None], *, local_omp_cpuid, **kwargs) -> None:
+    """SGLang's CPU thread binding, also where its AMX kernels are missing.
+
+    SGLang binds each rank's OpenMP threads to its ``SGLANG_CPU_OMP_THREADS_BIND`` cores only
+    through sgl-kernel's AMX op (``distributed/bootstrap.py:281-285``) and otherwise logs that
+    binding is disabled: every rank then runs torch's default thread count (all cores), so TP=2 on
+    two cores runs four busy threads on two cores (the target's head GEMM 3-4x slower than alone).
+    Here each rank keeps its own cores and that many threads; the log line reads them back.
+    """
+    import logging
+    import os
+
+    import torch
+
+    original(local_omp_cpuid=local_omp_cpuid, **kwargs)
+    if local_omp_cpuid is None:
+        return
+    cores = parse_cpu_list(str(local_omp_cpuid))
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    logging.getLogger(__name__).info(
+        "frspec-cpu: rank threads %d on cores %s", torch.get_num_threads(), sorted(os.sched_getaffinity(0))
+    )
 
 
 def _logged(op: str, family: str = "sampling") -> Callable:
@@ -51,6 +86,7 @@ def register() -> None:
 
     override_platform(has_amx=True).install()
     HookRegistry.register(VERIFY + "_verify_uses_greedy", _sampling_verify_on_cpu, HookType.AROUND)
+    HookRegistry.register(THREADS_ENV, _bind_rank_threads, HookType.AROUND)
     # The Triton ops of rejection sampling (the verify, and the draft proposal's Gumbel-max pick):
     # the registry also rebinds every module's ``from ... import`` of them.
     for target, op in (
