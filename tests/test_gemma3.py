@@ -41,7 +41,7 @@ pytestmark = pytest.mark.server
 # HF reference, and the diverging ids must be HF's top two.
 HF_TIE_EPSILON = 1e-2
 # Accept length the shipped draft must reach in the demo (docs/results/gemma3-draft.txt).
-SHIPPED_DRAFT_ACCEPT_FLOOR = 1.5
+SHIPPED_DRAFT_ACCEPT_FLOOR = 1.3
 PLAIN, STOCK, PLUGIN = "plain greedy (reference)", "EAGLE, no map (stock)", "EAGLE + map (sglang-frspec)"
 
 
@@ -113,8 +113,9 @@ def test_eagle_at_tp2_decodes_as_plain_greedy(gemma3, demo, run):
     assert [tuple(a) for a in result["plugin"]] == expected_activity
     plain = demo["runs"][PLAIN]["outputs"]
     compare_greedy(gemma3.target, gemma3.prompts, result["outputs"], plain, TIE_EPSILON)
-    # The shipped draft's floor on the fixture's prompts at the demo's spec (2 steps, topk 2, 4 draft
-    # tokens): measured 1.53 stock / 1.54 with the map; the previous draft gave 1.42 / 1.41.
+    # The shipped draft's floor on the fixture's prompts at the demo's spec (1 step, topk 1, 2 draft
+    # tokens: at most 2; an untrained draft gives about 1.0): measured 1.37 stock and with the map.
+    # At 2 steps, topk 2, 4 draft tokens this draft gives 1.76, the previous one 1.53-1.59.
     assert result["accept_length"] >= SHIPPED_DRAFT_ACCEPT_FLOOR
 
 

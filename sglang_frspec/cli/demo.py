@@ -28,6 +28,7 @@ from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
 from sglang_frspec.demo.server import Launch, SGLangServer, new_python, plugin_activity
 
 SHOWN_PROMPTS = 4  # prompts whose text the demo prints
+DEFAULT_SPEC = (2, 2, 4)  # EAGLE steps, topk, draft tokens where the model names none
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Workload:
     expected_name: str = ""
     server_args: tuple[str, ...] = ()
     tokenizer: str | None = None  # decodes ids for display when the servers skip their tokenizer
+    spec: tuple[int, int, int] = DEFAULT_SPEC  # EAGLE steps, topk, draft tokens unless given
 
 
 def add_parser(subparsers) -> None:
@@ -74,9 +76,10 @@ def add_parser(subparsers) -> None:
         default=48,
         help="tokens per request (default 48)",
     )
-    p.add_argument("--steps", type=int, default=2, help="--speculative-num-steps")
-    p.add_argument("--topk", type=int, default=2, help="--speculative-eagle-topk")
-    p.add_argument("--draft-tokens", type=int, default=4, help="--speculative-num-draft-tokens")
+    spec_help = "(default: gemma3 1, 1, 2, its best in the TP=2 sweep; otherwise 2, 2, 4)"
+    p.add_argument("--steps", type=int, help=f"--speculative-num-steps {spec_help}")
+    p.add_argument("--topk", type=int, help="--speculative-eagle-topk")
+    p.add_argument("--draft-tokens", type=int, help="--speculative-num-draft-tokens")
     p.add_argument("--skip-stock", action="store_true", help="do not run stock EAGLE (no map)")
     p.add_argument("--server-args", default="", help="extra launch_server arguments (quoted)")
     p.add_argument("--log-dir", help="keep server logs here (default: a temporary folder)")
@@ -85,7 +88,7 @@ def add_parser(subparsers) -> None:
 
 
 def _gemma3_workload(args) -> Workload:
-    from sglang_frspec.demo.gemma3 import MAP_SIZES, SERVER_ARGS, gemma3_fixture
+    from sglang_frspec.demo.gemma3 import DEMO_SPEC, MAP_SIZES, SERVER_ARGS, gemma3_fixture
 
     if args.map_size not in MAP_SIZES:
         raise SystemExit(f"demo: the gemma3 fixture has maps of {list(MAP_SIZES)} ids, not {args.map_size}")
@@ -102,6 +105,7 @@ def _gemma3_workload(args) -> Workload:
         "Transformers' float32 greedy decoding",
         SERVER_ARGS,
         fixture.target,
+        DEMO_SPEC,
     )
 
 
@@ -145,9 +149,15 @@ def _timed_batch(server: SGLangServer, prompts: list[dict], max_new_tokens: int)
     }
 
 
-def _runs(args) -> list[tuple[str, list[str], bool]]:
+def _spec(args, default_spec: tuple[int, int, int]) -> dict[str, int]:
+    """EAGLE's steps, topk and draft tokens: the flags given, ``default_spec``'s values for the rest."""
+    given = (args.steps, args.topk, args.draft_tokens)
+    steps, topk, draft_tokens = (d if g is None else g for g, d in zip(given, default_spec))
+    return {"steps": steps, "topk": topk, "draft_tokens": draft_tokens}
+
+
+def _runs(args, spec: dict[str, int]) -> list[tuple[str, list[str], bool]]:
     """(name, EAGLE arguments, plugin loaded) of each server the demo starts."""
-    spec = {"steps": args.steps, "topk": args.topk, "draft_tokens": args.draft_tokens}
     runs = [("plain greedy (reference)", [], False)]
     if not args.skip_stock:
         runs.append(("EAGLE, no map (stock)", eagle_args(args.draft_model_path, **spec), False))
@@ -191,7 +201,8 @@ def run(args: argparse.Namespace, launch: Launch = new_python) -> int:
     base = ["--model-path", args.model_path, "--tp-size", str(args.tp)]
     base += CPU_SERVER_ARGS if args.device == "cpu" else ["--device", args.device]
     base += [*work.server_args, *shlex.split(args.server_args)]
-    runs = _runs(args)
+    spec = _spec(args, work.spec)
+    runs = _runs(args, spec)
     results = {}
     for i, (name, extra, plugin) in enumerate(runs, start=1):
         print(f"[{i}/{len(runs)}] {name}: starting a TP={args.tp} server ...", flush=True)
@@ -201,6 +212,7 @@ def run(args: argparse.Namespace, launch: Launch = new_python) -> int:
             results[name]["plugin"] = plugin_activity(server.log())
     reference = results[runs[0][0]]
     print(f"\nmodel {args.model_path}\ndraft {args.draft_model_path}\ntoken map {args.token_map}")
+    print(f"EAGLE {spec['steps']} steps, topk {spec['topk']}, {spec['draft_tokens']} draft tokens")
     print(f"server logs {log_dir}")
     _show_texts(work, results)
     ok = True

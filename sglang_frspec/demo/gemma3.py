@@ -66,6 +66,9 @@ DEMO_PROMPTS = (
 HELD_OUT_PROMPTS, PROMPT_TOKENS = 3, 40
 PAST_WINDOW_TOKENS = 700  # BOS and held-out code, past the 512-token sliding window
 NEW_TOKENS = 48
+# EAGLE steps, topk, draft tokens: the fastest spec of EAGLE + map in the TP=2 sweep, one request
+# and eight at once, code and prose (docs/benchmarks.md); the demo's default for this model.
+DEMO_SPEC = (1, 1, 2)
 MAP_SIZES = (4096, 8192, 16384, 32768, 65536)
 # float32 (see above); and token ids in and out: no server process loads the 262144-id tokenizer.
 SERVER_ARGS = ("--dtype", "float32", "--skip-tokenizer-init")
