@@ -86,6 +86,13 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--init", type=Path, help="warm start: a checkpoint or a draft folder such as --out (new optimizer)"
     )
+    p.add_argument(
+        "--more-data",
+        type=Path,
+        action="append",
+        default=[],
+        help="another run's --work folder (features done) to train on too; repeatable",
+    )
     p.add_argument("--save-every", type=int, default=25, help="steps between training checkpoints")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--serve", action="store_true", help="measure served accept lengths of --out")
@@ -109,6 +116,7 @@ def main() -> None:
         seed=args.seed,
         log=draft_data.stderr_log(),
         checkpoint=args.checkpoint,
+        more_data=tuple(args.more_data),
     )
     stages = [args.stage] if args.stage else STAGES
     if "corpus" in stages:
@@ -141,7 +149,7 @@ def main() -> None:
         report |= {
             "script": "scripts/train_gemma3_draft.py",
             "git_commit": commit.strip(),
-            "args": {k: str(v) for k, v in vars(args).items() if k not in ("work", "out")},
+            "args": {k: str(v) for k, v in vars(args).items() if k not in ("work", "out", "more_data")},
             "target": "Gemma 3 270M (sglang_frspec/demo/gemma3.py, float32)",
         }
         save_eagle_draft(args.out, run.trained_draft(), cfg, shape)

@@ -100,9 +100,9 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     domains = {"chain": ([chain] * 4, [chain])}
     shape = LayerShape(64, 2, 2, 32, 128)
 
-    def run(work: Path, checkpoint: str = "checkpoint.pt") -> DraftRun:
+    def run(work: Path, checkpoint: str = "checkpoint.pt", **more) -> DraftRun:
         target, token_map = Path(fixture.target), Path(fixture.token_map())
-        return DraftRun(work, target, token_map, shape, log=lambda _: None, checkpoint=checkpoint)
+        return DraftRun(work, target, token_map, shape, log=lambda _: None, checkpoint=checkpoint, **more)
 
     def prepare(work: Path) -> DraftRun:
         r = run(work)
@@ -125,6 +125,18 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     assert after["data"]["steps"] == 24  # 2 epochs of 48 sequences in batches of 4
     # Both halves of the training data took part: 24 windows of text, 24 continuations.
     assert after["data"]["text_windows"] == 24 and after["data"]["generated_sequences"] == 24
+
+    # More data from a second run (continuations only, its own seed) trains beside the first's:
+    # 8 more sequences, 14 steps an epoch instead of 12; held-out sets stay the first run's.
+    more = run(tmp_path / "more", seed=1)
+    more.corpus(domains, seq=24, prompt=8, gen_seqs=8, text_seqs=0, eval_seqs=4)
+    more.generate(batch=16)
+    more.features(topk=4, shard=16)
+    both = run(whole.work, checkpoint="both.pt", more_data=(more.work,))
+    both.train(epochs=1.0, init=whole.work / whole.checkpoint, **train)
+    data = both.evaluate(steps=3)["data"]
+    assert data["steps"] == 14 and data["folders"] == ["whole", "more"]
+    assert data["text_windows"] == 24 and data["generated_sequences"] == 32
 
     stopped = prepare(tmp_path / "stopped")
     stopped.train(epochs=2.0, stop_at=11, **train)  # a run stopped after 11 of 24 steps

@@ -235,6 +235,9 @@ class DraftRun:
     seed: int = 0
     log: Callable[[str], None] = field(default_factory=stderr_log)
     checkpoint: str = "checkpoint.pt"  # under ``work``: runs side by side on the same data
+    # Other runs' work folders (features done) whose training sequences train beside this one's;
+    # evaluation stays on this run's held-out sets (every run holds out the same files).
+    more_data: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -325,7 +328,8 @@ class DraftRun:
         gens = torch.cat([torch.load(p) for p in sorted((self.work / "gen").glob("*.pt"))])
         assert gens.shape[0] == len(self._all_prompts(corpus)), "generate is not finished"
         n_train = len(corpus["prompts"])
-        train = torch.cat([torch.tensor(corpus["text"]), gens[:n_train]])
+        text = torch.tensor(corpus["text"], dtype=torch.long).reshape(-1, corpus["seq"])  # none: [0, seq]
+        train = torch.cat([text, gens[:n_train]])
         held = {f"{name}_text": torch.tensor(w) for name, w in corpus["held"].items()}
         start = n_train
         for name, prompts in corpus["held_prompts"].items():
@@ -389,7 +393,9 @@ class DraftRun:
         (another run's checkpoint) warm-starts the draft's weights with a fresh optimizer and
         schedule instead of a random init; a draft folder (``model.safetensors``, as shipped) works too.
         ``layers`` decoder layers: a warm start from fewer gains layers that start as the identity."""
-        shards = [torch.load(p) for p in sorted((self.work / "feat").glob("*.pt"))]
+        folders = (self.work, *self.more_data)
+        shards = [torch.load(p) for w in folders for p in sorted((w / "feat").glob("*.pt"))]
+        assert len({s["ids"].shape[1] for s in shards}) == 1, "every data folder needs the same --seq"
         data = {k: torch.cat([s[k] for s in shards]) for k in ("ids", "feats", "top", "probs")}
         count, tokens = data["ids"].shape[0], data["ids"].shape[1] - 1
         steps = int(epochs * count) // batch
@@ -460,6 +466,7 @@ class DraftRun:
         hot = self.hot()
         held = torch.load(self.work / "held.pt")
         corpus = self._corpus
+        corpora = [corpus] + [torch.load(w / "corpus.pt") for w in self.more_data]
         report: dict = {"held_out_top1_agreement": {}, "offline_chain": {}}
         for name, s in held.items():
             out = draft_hidden(draft, embed, s["ids"][:, 1:], s["feats"][:, :-1].float(), self.shape)
@@ -485,13 +492,16 @@ class DraftRun:
                     "sequences": len(s["ids"]),
                 }
                 self.log(f"chain {name}: {report['offline_chain'][name]}")
+        windows = sum(len(c["text"]) for c in corpora)
+        generated = sum(len(c["prompts"]) for c in corpora)
         report["data"] = {
             "domains": corpus["counts"],
+            "folders": [w.name for w in (self.work, *self.more_data)],
             "sequence_tokens": corpus["seq"],
-            "text_windows": len(corpus["text"]),
-            "generated_sequences": len(corpus["prompts"]),
-            "training_tokens": (len(corpus["text"]) + len(corpus["prompts"])) * corpus["seq"],
-            "generated_tokens": len(corpus["prompts"]) * (corpus["seq"] - corpus["prompt"]),
+            "text_windows": windows,
+            "generated_sequences": generated,
+            "training_tokens": (windows + generated) * corpus["seq"],
+            "generated_tokens": generated * (corpus["seq"] - corpus["prompt"]),
             "steps": state["step"],
         }
         report["losses_every_100_steps"] = [
