@@ -25,6 +25,9 @@ def pd_node(payload: dict) -> list[dict]:
     decodes under ``--speculative-use-rejection-sampling``: the answer also holds the first
     verify's proposal q as the plugin's draft lays it over the vocab (``lay_hot_probs_over_vocab``
     of the first draft row at ``hot_token_id``): each row's (token id, probability) pairs with q > 0.
+    A decode role ending in ``_overlap`` runs under the overlap scheduler (the GPU's default): the
+    builder gets SGLang's ``FutureMap`` and stashes the input there, and the answer is what the next
+    forward reads back from it (``resolve_forward_inputs``), with ``q width`` under rejection sampling.
 
     ``plugin``: the nodes run sglang-frspec (hooks applied, wire order installed as its draft
     worker does at start-up, ``hot_token_id`` the canonical ids); otherwise they are stock
@@ -33,6 +36,7 @@ def pd_node(payload: dict) -> list[dict]:
     import logging
 
     from sglang.srt.disaggregation.utils import MetadataBuffers
+    from sglang.srt.managers.overlap_utils import FutureMap
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.runtime_context import get_spec
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -48,14 +52,17 @@ def pd_node(payload: dict) -> list[dict]:
             warnings.append(record.getMessage())
 
     logging.getLogger("sglang_frspec").addHandler(Capture(logging.WARNING))
-    if payload["plugin"]:
-        from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
+    from tests.harness.gpu_defaults import overlap
+
+    overlap.register()  # the relay's gather, as overlap servers have it (no Triton on a CPU)
+    if payload["plugin"]:
         from sglang_frspec.adapters import pd
         from sglang_frspec.plugin import register
 
         register()
-        HookRegistry.apply_hooks()
+    HookRegistry.apply_hooks()
     buffers = MetadataBuffers(size=4, hidden_size=HIDDEN, hidden_states_dtype=torch.float32,
                               max_sampling_mask_tokens=16)  # fmt: skip
 
@@ -93,15 +100,28 @@ def pd_node(payload: dict) -> list[dict]:
             req.output_topk_p, req.output_topk_index = topk_p, topk_index
             req.hidden_states_tensor, req.output_dsa_topk_indices = hidden_states, dsa_topk_indices
             reqs.append(req)
+        rejection, overlapped = role.startswith("decode_rejection"), role.endswith("_overlap")
         # The fields of a prebuilt decode batch that the draft-input builder reads.
-        batch = SimpleNamespace(reqs=reqs, device="cpu", enable_overlap=False, model_config=SimpleNamespace(
-            hf_config=SimpleNamespace(), vocab_size=payload["vocab"]))  # fmt: skip
+        model_config = SimpleNamespace(hf_config=SimpleNamespace(), vocab_size=payload["vocab"])
+        batch = SimpleNamespace(reqs=reqs, device="cpu", enable_overlap=overlapped, model_config=model_config,
+                                req_pool_indices=torch.arange(1, len(reqs) + 1),
+                                seq_lens=torch.full((len(reqs),), 4))  # fmt: skip
+        future_map = None
+        if overlapped:
+            pool = SimpleNamespace(req_to_token=torch.zeros(8, 16, dtype=torch.int32))
+            future_map = FutureMap(torch.device("cpu"), SpeculativeAlgorithm.EAGLE, pool)
         last_tokens = torch.tensor([7] * len(reqs))
         try:
-            with get_spec().override(speculative_use_rejection_sampling=role == "decode_rejection"):
-                spec_info = SpeculativeAlgorithm.EAGLE.build_disagg_draft_input(batch, last_tokens, None)
-            answer = {"tokens": hot_token_id[spec_info.topk_index].tolist()}
-            if role == "decode_rejection":  # the draft's first row of q ([bs, steps, H] there)
+            with get_spec().override(speculative_use_rejection_sampling=rejection):
+                build = SpeculativeAlgorithm.EAGLE.build_disagg_draft_input
+                spec_info = build(batch, last_tokens, future_map)
+            answer = {}
+            if overlapped:  # the next forward's draft input: what the future map relays
+                spec_info = relayed_draft_input(future_map, batch.req_pool_indices, last_tokens)
+                if rejection:
+                    answer["q width"] = spec_info.draft_probs.shape[-1]
+            answer["tokens"] = hot_token_id[spec_info.topk_index].tolist()
+            if rejection:  # the draft's first row of q ([bs, steps, H] there)
                 q = lay_hot_probs_over_vocab(
                     spec_info.draft_probs.unsqueeze(1), hot_token_id, payload["vocab"]
                 )
@@ -111,3 +131,16 @@ def pd_node(payload: dict) -> list[dict]:
             answer = {"error": f"{type(e).__name__}: {e}"}
         answers.append(answer | {"warnings": list(warnings)})
     return answers
+
+
+def relayed_draft_input(future_map, req_pool_indices: torch.Tensor, input_ids: torch.Tensor):
+    """The draft input the next forward of these requests reads under the overlap scheduler:
+    SGLang's staged handle resolved from the future map, as ``resolve_forward_inputs`` does."""
+    from sglang.srt.managers.overlap_utils import resolve_forward_inputs
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    batch = SimpleNamespace(prefill_input_ids_cpu=None, input_ids=input_ids, enable_overlap=True,
+                            spec_algorithm=SpeculativeAlgorithm.EAGLE,
+                            spec_info=future_map.make_staged_spec_input(req_pool_indices))  # fmt: skip
+    resolve_forward_inputs(batch, future_map)
+    return batch.spec_info

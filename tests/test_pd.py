@@ -57,14 +57,19 @@ def nodes(perm) -> tuple[list[dict], list[dict], list[dict]]:
         ("decode_rejection", 1, FILE_IDS),  # 8: plugin -> plugin under rejection sampling
         ("decode_rejection", stock[0]["wire"], FILE_IDS),  # 9: stock -> plugin, the same
         ("decode_rejection", stock[1]["wire"], FILE_IDS),  # 10: stock with a longer map -> plugin, the same
+        ("decode_overlap", 1, FILE_IDS),  # 11: plugin -> plugin under the overlap scheduler
+        ("decode_overlap", stock[0]["wire"], FILE_IDS),  # 12: stock -> plugin, the same
+        ("decode_overlap", stock[1]["wire"], FILE_IDS),  # 13: stock with a longer map -> plugin, the same
+        ("decode_rejection_overlap", 1, FILE_IDS),  # 14: 8 under the overlap scheduler
     ])  # fmt: skip
     stock_decode = _node(perm, False, [("decode", plugin[1]["wire"], FILE_IDS),
-                                       ("decode", stock[0]["wire"], FILE_IDS)])  # fmt: skip
+                                       ("decode", stock[0]["wire"], FILE_IDS),
+                                       ("decode_overlap", stock[0]["wire"], FILE_IDS)])  # fmt: skip
     return stock, plugin, stock_decode
 
 
 def test_stock_and_plugin_nodes_agree_on_the_drafted_tokens_in_every_direction(nodes):
-    (stock_prefill, _), plugin, (stock_decode, stock_to_stock) = nodes
+    (stock_prefill, _), plugin, (stock_decode, stock_to_stock, _) = nodes
     plugin_decode, plugin_prefill, plugin_to_plugin = plugin[:3]
     assert stock_prefill["tokens"] == [[40, 300], [2, 9]]
     # Stock prefill -> plugin decode: stock's file positions (some >= H) read as the same tokens.
@@ -129,3 +134,20 @@ def test_rejection_sampling_decode_proposes_the_drafted_token_with_probability_o
         assert "error" not in answer, answer["error"]
         assert answer["tokens"] == sent["tokens"]
         assert answer["proposal"] == [[(row[0], 1.0)] for row in sent["tokens"]]
+
+
+def test_under_the_overlap_scheduler_the_next_forward_reads_the_translated_drafts(nodes):
+    """With the overlap scheduler (on by default on GPUs) SGLang's builder stashes the decode node's
+    first draft input in its ``FutureMap`` before returning, and the next forward reads the stash
+    back (``resolve_forward_inputs``): the stash holds the plugin's translation (canonical hot
+    indices, distinct per row; under rejection sampling q over the H hot columns, which also sizes
+    the relay's q buffer), so every direction drafts what it does without overlap."""
+    (stock_prefill, _), plugin, (_, _, stock_overlap) = nodes
+    assert plugin[11] == {"tokens": plugin[1]["tokens"], "warnings": []}
+    assert plugin[12] == {"tokens": stock_prefill["tokens"], "warnings": []}
+    assert plugin[13]["tokens"] == plugin[3]["tokens"] == [[2, 300], [300, 2], [2, 300], [2, 300]]
+    rejection = plugin[14]
+    assert rejection["q width"] == len(HOT)  # H, not the vocab
+    assert rejection["tokens"] == plugin[1]["tokens"]
+    assert rejection["proposal"] == [[(row[0], 1.0)] for row in plugin[1]["tokens"]]
+    assert stock_overlap == {"tokens": stock_prefill["tokens"], "warnings": []}  # stock's own reading

@@ -169,6 +169,11 @@ CONTRACT: tuple[Entry, ...] = (
     Signature(
         "sglang.srt.speculative.eagle_disaggregation:pd_first_draft_proposal", "(topk_index, vocab_size)"
     ),
+    # ... and, under the overlap scheduler, the stash the builder makes of that input (held until
+    # translated)
+    Signature("sglang.srt.managers.overlap_utils:FutureMap.stash", "(self, future_indices, payload)"),
+    Attribute("sglang.srt.managers.overlap_utils:RelayPayload.topk_index"),
+    Attribute("sglang.srt.managers.overlap_utils:RelayPayload.draft_probs"),
     # token_map.py: SGLang's own map loader (hub paths)
     Signature("sglang.srt.speculative.spec_utils:load_token_map", "(token_map_path)"),
     # head.py: the target's vocab-parallel LM head

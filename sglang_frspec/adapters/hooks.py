@@ -72,8 +72,8 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook(
         "sglang.srt.speculative.eagle_disaggregation:build_eagle_disagg_draft_input",
-        f"{ON_PD}from_wire_after_draft_input",
-        "AFTER",
+        f"{ON_PD}from_wire_around_draft_input",
+        "AROUND",
         "(batch, last_tokens_tensor, future_map)",
     ),
     # worker.py: weight updates; one-call updates, and the end of a begin/end session (tensor,

@@ -6,7 +6,8 @@ decode node stacks them in ``build_eagle_disagg_draft_input`` and its first draf
 through its own ``hot_token_id``. Stock SGLang's hot order is the map file's (duplicates kept, so
 an index can be >= the plugin's H), the plugin's the sorted unique ids. So that either node may
 run stock SGLang, the wire carries stock's order: a plugin prefill node translates just before
-the metadata buffer is filled, a plugin decode node just after the draft input is built. Both
+the metadata buffer is filled, a plugin decode node just after the draft input is built (and,
+under the overlap scheduler, before SGLang stashes it for the next forward). Both
 nodes must load the same map file (SGLang requires it of stock nodes too): a plugin prefill node
 writes its map's tag (``HotWireOrder.tag``) into the row's spare last slot, and a plugin decode
 node refuses rows tagged with another map's tag (stock nodes write and read no tag). A position
@@ -28,6 +29,7 @@ starts on a PD node; processes without one (no map, not PD) translate nothing.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -63,16 +65,53 @@ def to_wire_before_set_buf(buffers, req, *args, **kwargs) -> None:
         row[-1] = _wire_order.tag
 
 
-def from_wire_after_draft_input(spec_info, batch, *args, **kwargs):
-    """AFTER hook on ``build_eagle_disagg_draft_input``: the received file positions as canonical
+def from_wire_around_draft_input(original, batch, last_tokens_tensor, future_map):
+    """AROUND hook on ``build_eagle_disagg_draft_input``: the received file positions as canonical
     hot indices, before the first draft step maps them through ``hot_token_id``.
+
+    Under the overlap scheduler (the GPU's default) SGLang stashes the draft input in the future
+    map *inside* the builder, and the next forward reads the stash, not the returned input; the
+    first stash also sizes the relay's q buffer. So the builder gets a future map whose ``stash``
+    waits (``_StashAfterTranslation``) and the held payload is stashed once translated."""
+    if _wire_order is None:
+        return original(batch, last_tokens_tensor, future_map)
+    held = None if future_map is None else _StashAfterTranslation(future_map)
+    spec_info = original(batch, last_tokens_tensor, held)
+    if spec_info is not None:
+        _translate(spec_info, batch)
+    if held is not None:
+        held.release(spec_info)
+    return spec_info
+
+
+class _StashAfterTranslation:
+    """A future map that passes every call through but holds ``stash`` until ``release``."""
+
+    def __init__(self, future_map):
+        self._future_map = future_map
+        self._held: list = []  # (future indices, RelayPayload) in stash order
+
+    def __getattr__(self, name: str):
+        return getattr(self._future_map, name)
+
+    def stash(self, future_indices: torch.Tensor, payload) -> None:
+        self._held.append((future_indices, payload))
+
+    def release(self, spec_info) -> None:
+        """Stash each held payload with the fields the plugin translated taken from ``spec_info``."""
+        for future_indices, payload in self._held:
+            translated = copy.copy(payload)
+            translated.topk_index, translated.draft_probs = spec_info.topk_index, spec_info.draft_probs
+            self._future_map.stash(future_indices, translated)
+
+
+def _translate(spec_info, batch) -> None:
+    """The first draft input's ``topk_index`` (and, under rejection sampling, its q) in place.
 
     The rows are checked where SGLang's decode node received them (``req.output_topk_index``:
     the whole metadata row, a host tensor), so no device value is read; a row from a node with
     another map raises, stopping this node before it drafts from it."""
     global _warned_outside
-    if _wire_order is None or spec_info is None:
-        return spec_info
     num_states = spec_info.topk_index.shape[1]
     received = torch.stack([torch.as_tensor(req.output_topk_index) for req in batch.reqs])
     outside = _wire_order.count_outside(received, num_states)
@@ -98,4 +137,3 @@ def from_wire_after_draft_input(spec_info, batch, *args, **kwargs):
 
         proposal = pd_first_draft_proposal(spec_info.topk_index, _wire_order.canonical_to_file.numel())
         spec_info.draft_probs = proposal if spec_info.draft_probs.dim() == 3 else proposal[:, 0]
-    return spec_info

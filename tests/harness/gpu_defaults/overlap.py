@@ -1,0 +1,76 @@
+"""Test-only SGLang plugin ``frspec_gpu_defaults``: speculative decoding with the overlap scheduler
+on, on a CPU, as every GPU server runs it.
+
+SGLang turns the overlap scheduler off for speculative decoding on a CPU device
+(``arg_groups/speculative_hook.py:66-78``, "not implemented"). What a CPU actually lacks on that
+path is one Triton kernel: ``FutureMap._resolve_spec_extras`` gathers the relayed draft inputs with
+``gather_spec_extras`` (``kernels/ops/speculative/gather_spec_extras.py:100``; no CPU driver), and
+``overlap_utils`` imports that name directly (``managers/overlap_utils.py:9``). The rest is SGLang's
+own code and already CPU-aware: events and the copy stream only ``if _is_cuda``
+(``overlap_utils.py:220-229, 327-334``), no ``record_stream`` for CPU tensors (``:123-127``), and
+``torch.cpu.Stream``/``Event`` are no-op stubs. This plugin lifts the switch-off and gives the gather
+its torch equivalent (equal to the kernel under ``TRITON_INTERPRET=1``, ``tests/test_gpu_defaults.py``),
+so the scheduler's overlap loop, the future map, its relay buffers and the results processed one
+step late all run as on a GPU.
+
+What it cannot show: concurrency. A CPU device has one stream and the forward returns finished, so
+a race between the forward stream and the scheduler's next batch (a buffer freed or reused while a
+kernel still reads it) never happens here.
+
+Servers load it when ``overlap_env`` put ``site/`` on ``PYTHONPATH`` and named it in
+``SGLANG_PLUGINS``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+PLUGIN = "frspec_gpu_defaults"
+SITE = Path(__file__).resolve().parent / "site"
+CPU_SWITCH_OFF = "sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu"
+RELAY_GATHER = "sglang.srt.managers.overlap_utils.gather_spec_extras"
+RELAY_LINE = "frspec-gpu-defaults: overlap scheduler on, draft inputs relayed through the future map"
+
+logger = logging.getLogger(__name__)
+_relayed = False  # the relay line is logged at the first gather of each scheduler
+
+
+def register() -> None:
+    """The entry point: keep overlap on for speculative decoding on CPU; the relay's gather in torch."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(CPU_SWITCH_OFF, keep_overlap_on, HookType.REPLACE)
+    HookRegistry.register(RELAY_GATHER, gather_spec_extras, HookType.REPLACE)
+
+
+def keep_overlap_on(server_args) -> None:
+    """Replaces SGLang's CPU switch-off: the overlap scheduler stays as the arguments set it."""
+
+
+def gather_spec_extras(
+    indices: torch.Tensor,
+    topk_p_buf: torch.Tensor,
+    topk_index_buf: torch.Tensor,
+    output_tokens_buf: torch.Tensor,
+    hidden_states_buf: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """SGLang's fused relay gather: each buffer's rows at ``indices``, as new tensors."""
+    global _relayed
+    if not _relayed:
+        _relayed = True
+        logger.info(RELAY_LINE)
+    hidden = None if hidden_states_buf is None else hidden_states_buf[indices]
+    return topk_p_buf[indices], topk_index_buf[indices], output_tokens_buf[indices], hidden
+
+
+def overlap_env(env: dict, enabled: bool = True) -> dict:
+    """``env`` (a CPU server's, from ``cpu_env``) with this plugin's site on ``PYTHONPATH`` and,
+    when ``enabled``, the plugin loaded (the site is there either way: servers with and without it
+    fork from one zygote, whose key holds ``PYTHONPATH``)."""
+    paths = [str(SITE), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    plugins = f"{env['SGLANG_PLUGINS']},{PLUGIN}" if enabled else env["SGLANG_PLUGINS"]
+    return env | {"PYTHONPATH": os.pathsep.join(paths), "SGLANG_PLUGINS": plugins}
