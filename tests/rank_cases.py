@@ -68,16 +68,19 @@ def hot_logits(payload: dict) -> dict:
 
 
 def agree(payload: dict) -> str:
-    """Each rank validates its own map and joins the agreement step; returns the error text."""
+    """Each rank validates its own map and joins the agreement step, as ``init_lm_head`` does (on
+    a PD node, with the map file's order); returns the error text, or "agreed"."""
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_frspec.adapters.worker import agree_across_ranks
+    from sglang_frspec.adapters import pd
+    from sglang_frspec.adapters.worker import agree_across_ranks, map_status
     from sglang_frspec.core import TokenMapError, canonical_hot_ids
 
     rank = get_parallel().tp_rank
     try:
-        hot = canonical_hot_ids(torch.tensor(payload["maps"][rank]), payload["vocab"])
-        status = ("ok", hot.digest, len(hot))
+        file_ids = torch.tensor(payload["maps"][rank])
+        hot = canonical_hot_ids(file_ids, payload["vocab"])
+        status = map_status(hot, pd.wire_order_of(file_ids, hot))
     except TokenMapError as e:
         status = ("error", type(e).__name__, str(e))
     try:

@@ -78,7 +78,7 @@ def pd_node(payload: dict) -> list[dict]:
         hot_token_id = file_ids
         if payload["plugin"]:
             hot = canonical_hot_ids(file_ids, payload["vocab"])
-            pd.install_wire_order(file_ids, hot, "cpu")
+            pd.install_wire_order(pd.wire_order_of(file_ids, hot), "cpu")
             hot_token_id = hot.ids
         rows = torch.tensor(answers[rows]["wire"] if isinstance(rows, int) else rows)
         if role == "prefill":

@@ -169,6 +169,22 @@ def test_ranks_with_different_maps_fail_together_naming_both_digests():
         assert all(d in error for d in digests)
 
 
+@pytest.mark.parametrize("mode", ["null", "decode"])
+def test_ranks_of_a_pd_node_agree_on_the_map_files_order(mode):
+    """Rank 1 loads a permuted copy of rank 0's map. Off PD the plugin uses the sorted ids only: the
+    ranks agree. A PD node ships and reads positions in the file: both ranks refuse, naming why."""
+    file_ids = [2, 300, 5, 9, 5, 17, 2, 40]
+    maps = [file_ids, file_ids[::-1]]
+    errors = run_tp_group(rank_cases.agree, 2, {"vocab": VOCAB, "maps": maps},
+                          server_args={"disaggregation_mode": mode})  # fmt: skip
+    if mode == "null":
+        assert errors == ["agreed", "agreed"]
+        return
+    for error in errors:
+        assert "prefill/decode: the TP ranks loaded the same hot ids in different orders" in error
+        assert "Copy one map file to every rank of every prefill and decode node" in error
+
+
 def test_one_rank_with_a_bad_map_fails_every_rank():
     maps = [list(range(10, 200)), [5, VOCAB + 7]]
     errors = run_tp_group(rank_cases.agree, 2, {"vocab": VOCAB, "maps": maps})

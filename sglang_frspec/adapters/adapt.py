@@ -25,7 +25,7 @@ from sglang.srt.runtime_context import get_disagg, get_parallel
 
 from sglang_frspec.adapters.head import hot_row_reader
 from sglang_frspec.adapters.pd import PD_MODES
-from sglang_frspec.adapters.worker import FrSpecDraftHead, agree_across_ranks
+from sglang_frspec.adapters.worker import FrSpecDraftHead, agree_across_ranks, map_status
 from sglang_frspec.core import UnsupportedSetupError, canonical_hot_ids
 from sglang_frspec.core.adapt import Swaps, check_adaptation_setup, choose_swaps, decay_scores, swap_groups
 from sglang_frspec.core.coverage import CommittedTokenCounts
@@ -45,7 +45,7 @@ class HotSetAdapter:
         try:
             mode = get_disagg().disaggregation_mode
             check_adaptation_setup(mode if mode in PD_MODES else None, get_parallel().attn_dp_size > 1)
-            status = ("ok", hot.digest, len(hot))
+            status = map_status(hot)
         except UnsupportedSetupError as e:
             status = ("error", type(e).__name__, str(e))
         agree_across_ranks(status, get_parallel().tp_group)  # every rank raises, or none

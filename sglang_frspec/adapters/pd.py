@@ -45,12 +45,16 @@ _wire_order: HotWireOrder | None = None
 _warned_outside = False  # the out-of-range warning is logged once per process
 
 
-def install_wire_order(file_ids: torch.Tensor, hot: HotIds, device: torch.device | str) -> None:
-    """Called by the draft worker at start-up: on a PD node, translate between the map file's
-    order (``file_ids``, as read) and the canonical ``hot`` order; elsewhere, nothing."""
+def wire_order_of(file_ids: torch.Tensor, hot: HotIds) -> HotWireOrder | None:
+    """On a PD node, the translation between the map file's order (``file_ids``, as read) and the
+    canonical ``hot`` order; elsewhere None (nothing goes on a wire)."""
+    return HotWireOrder.of(file_ids, hot) if get_disagg().disaggregation_mode in PD_MODES else None
+
+
+def install_wire_order(wire: HotWireOrder | None, device: torch.device | str) -> None:
+    """Called by the draft worker at start-up, once its TP ranks agreed on ``wire``."""
     global _wire_order
-    is_pd_node = get_disagg().disaggregation_mode in PD_MODES
-    _wire_order = HotWireOrder.of(file_ids, hot).to(device) if is_pd_node else None
+    _wire_order = None if wire is None else wire.to(device)
 
 
 def to_wire_before_set_buf(buffers, req, *args, **kwargs) -> None:

@@ -42,6 +42,7 @@ from sglang_frspec.adapters.token_map import load_token_map_ids
 from sglang_frspec.core import (
     HotIds,
     HotShardPlan,
+    HotWireOrder,
     TokenMapError,
     UnsupportedSetupError,
     canonical_hot_ids,
@@ -172,11 +173,17 @@ def around_init_token_map(original: Callable, worker) -> None:
     worker.hot_token_id = state.map_ids  # file order, as upstream; init_lm_head canonicalises
 
 
+def map_status(hot: HotIds, wire: HotWireOrder | None = None) -> tuple:
+    """This rank's part of the agreement on the map it uses: the canonical ids and, on a PD node
+    (``wire``), the map file's order too, since positions in it are what goes on the wire."""
+    return ("ok", hot.digest, len(hot), None if wire is None else wire.tag)
+
+
 def agree_across_ranks(status: tuple, group) -> None:
     """Raise the same error on every rank if any rank failed or the ranks' maps differ.
 
-    ``status`` is ("ok", digest, num_hot) or ("error", error class name, message). Runs on the
-    gloo CPU group.
+    ``status`` is ``map_status(...)`` or ("error", error class name, message). Runs on the gloo
+    CPU group.
     """
     statuses = [status] if group.world_size == 1 else group.all_gather_object(status)
     failed = [(r, s) for r, s in enumerate(statuses) if s[0] == "error"]
@@ -192,6 +199,16 @@ def agree_across_ranks(status: tuple, group) -> None:
             f"ids: {per_rank}). Every node must see the same --speculative-token-map file; "
             "copy the same file to every node."
         )
+    tags = [s[3] for s in statuses]
+    if len(set(tags)) > 1:
+        per_rank = ", ".join(f"rank {r}: {tag}" for r, tag in enumerate(tags))
+        raise TokenMapError(
+            "[sglang-frspec] prefill/decode: the TP ranks loaded the same hot ids in different "
+            f"orders (map file tags: {per_rank}). A PD node ships and receives each request's first "
+            "drafts as positions in its --speculative-token-map file, so the ranks of one TP group "
+            "would read the same row as different tokens. Copy one map file to every rank of every "
+            "prefill and decode node."
+        )
 
 
 def around_init_lm_head(original: Callable, worker) -> None:
@@ -200,11 +217,11 @@ def around_init_lm_head(original: Callable, worker) -> None:
         return original(worker)
     embed, head = worker._resolve_shared_embed_and_head()
     state = state_of(worker)
-    options, shard, hot = _check_and_agree(worker, state, head)
+    options, shard, hot, wire = _check_and_agree(worker, state, head)
     plan = plan_from_ranges(hot.ids, shard.shard_ranges, options.layout)
     processor, local_head = _install(worker, embed, head, options, shard, hot, plan)
     state.head = FrSpecDraftHead(plan, shard, options, local_head)
-    pd.install_wire_order(state.map_ids, hot, head.device)  # a PD node ships hot indices
+    pd.install_wire_order(wire, head.device)  # a PD node ships hot indices
     state.map_ids = None
     if get_parallel().tp_rank == 0:
         _report(options, processor, shard, hot, plan, local_head, worker.topk, state.map_source)
@@ -212,11 +229,11 @@ def around_init_lm_head(original: Callable, worker) -> None:
 
 def _check_and_agree(
     worker, state: FrSpecState, head: torch.Tensor
-) -> tuple[FrSpecOptions, HeadShard, HotIds]:
+) -> tuple[FrSpecOptions, HeadShard, HotIds, HotWireOrder | None]:
     """Validate the map and the setup on this rank, then raise the same error on every rank if
-    any rank failed (or the ranks' maps differ)."""
+    any rank failed (or the ranks' maps differ). Also the PD wire order (None off PD nodes)."""
     draft_model = worker.draft_runner.model
-    options = shard = hot = None
+    options = shard = hot = wire = None
     try:
         if state.map_error is not None:
             raise state.map_error
@@ -226,11 +243,12 @@ def _check_and_agree(
         hot = canonical_hot_ids(state.map_ids, shard.vocab_size, source=state.map_source)
         check_hot_ids_cover_topk(len(hot), worker.topk, source=state.map_source)
         check_draft_supported(draft_model, len(hot))
-        status = ("ok", hot.digest, len(hot))
+        wire = pd.wire_order_of(state.map_ids, hot)
+        status = map_status(hot, wire)
     except (TokenMapError, UnsupportedSetupError) as e:
         status = ("error", type(e).__name__, str(e))
     agree_across_ranks(status, get_parallel().tp_group)
-    return options, shard, hot
+    return options, shard, hot, wire
 
 
 def _install(worker, embed, head, options: FrSpecOptions, shard: HeadShard, hot: HotIds,
@@ -243,7 +261,7 @@ def _install(worker, embed, head, options: FrSpecOptions, shard: HeadShard, hot:
     draft_model.set_embed_and_head(embed, local_head)
     try:
         check_draft_uses_hot_head(draft_model, local_head)
-        status = ("ok", hot.digest, len(hot))
+        status = map_status(hot)
     except UnsupportedSetupError as e:
         status = ("error", type(e).__name__, str(e))
     agree_across_ranks(status, get_parallel().tp_group)
