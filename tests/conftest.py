@@ -15,6 +15,7 @@ from hypothesis import settings
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, CPU_SITE, cpu_env, eagle_args
 from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture
 from sglang_frspec.demo.server import Launch, SGLangServer
+from tests.harness.gpu_defaults.overlap import overlap_env
 from tests.harness.zygote import ZYGOTES_STARTED, forked_launch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,16 +97,19 @@ def fixture_server(
     extra: tuple = (),
     env: dict | None = None,
     eagle: bool = True,
+    overlap: bool = True,
     launch: Launch = forked_launch,
 ) -> SGLangServer:
     """A (not yet started) CPU ``sglang.launch_server`` of a fixture's target (and EAGLE draft);
-    ``env`` adds variables to (never replaces) this process's environment. The launcher is
-    forked from a zygote (``forked_launch``); ``launch=new_python`` starts a new Python."""
+    ``env`` adds variables to (never replaces) this process's environment. Speculative decoding
+    runs with the overlap scheduler on, as on a GPU (``tests/harness/gpu_defaults/overlap.py``);
+    ``overlap=False`` keeps SGLang's CPU configuration (overlap off). The launcher is forked from
+    a zygote (``forked_launch``); ``launch=new_python`` starts a new Python."""
     args = ["--model-path", fixture.target, "--tp-size", str(tp), *CPU_SERVER_ARGS]
     if eagle:
         args += eagle_args(fixture.draft, token_map)
     args += list(extra)
-    env = cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {}))
+    env = overlap_env(cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {})), enabled=overlap)
     server = SGLangServer(args, env, log_path, launch=launch)
     _SERVERS_MADE.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], server))
     return server

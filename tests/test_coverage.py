@@ -214,6 +214,11 @@ def test_coverage_options(options_unset, tmp_path):
 
 
 # --- real servers --------------------------------------------------------------------------------
+# The count tests keep SGLang's CPU configuration (overlap scheduler off): their reference rebuilds
+# every verify step from the outputs, and under the overlap scheduler a finished request may run
+# one step more before the scheduler sees it finished, whose tokens are counted (docs/token-maps.md)
+# but appear in no output. Seen on a TP=2 server: 123 counted where the outputs show 119.
+EXACT_STEPS = {"overlap": False}
 
 NEW = 40
 STARTS = (0, 17, 33)
@@ -309,6 +314,7 @@ def test_tp2_coverage_in_the_log_metrics_and_counts_file_equals_the_outputs(perm
         token_map,
         extra=("--enable-metrics", "--decode-log-interval", "1"),
         env={COUNTS_ENV: str(counts_path)},
+        **EXACT_STEPS,
     )
     outs = server.generate([list(perm.chain[s : s + 3]) for s in STARTS], NEW)
     tokens = committed_tokens(perm, outs)
@@ -369,7 +375,9 @@ def test_a_short_burst_at_the_default_interval_is_exported_once_traffic_stops(pe
     the log, /metrics and the counts file once the server is idle, as SGLang's own counters do."""
     counts_path = tmp_path / "served.counts.pt"
     token_map = perm.token_map("hot_half")
-    server = start_server(perm, 1, token_map, extra=("--enable-metrics",), env={COUNTS_ENV: str(counts_path)})
+    server = start_server(
+        perm, 1, token_map, extra=("--enable-metrics",), env={COUNTS_ENV: str(counts_path)}, **EXACT_STEPS
+    )
     start, new = 5, 8
     out = server.generate(list(perm.chain[start : start + 3]), new)
     assert out["meta_info"]["spec_verify_ct"] < 40  # a burst shorter than one log interval

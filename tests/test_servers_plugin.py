@@ -12,6 +12,7 @@ from sglang_frspec.demo.cpu import cpu_env
 from sglang_frspec.demo.server import plugin_activity
 from tests.harness import sampling_law as law
 from tests.harness.fixtures import random_fixture, sharp_draft_fixture
+from tests.harness.gpu_defaults.overlap import relayed_ranks
 from tests.harness.greedy import compare_greedy
 
 pytestmark = pytest.mark.server
@@ -19,8 +20,10 @@ NEW = 24
 
 
 def assert_plugin_active(server, num_hot: int, tp: int, layout: str = "balanced", exchange: str = "full"):
-    """The plugin installed its hot head on this server: one line from rank 0, with these settings."""
+    """The plugin installed its hot head on this server: one line from rank 0, with these settings;
+    and every rank decoded under the overlap scheduler, as on a GPU (draft inputs relayed)."""
     assert plugin_activity(server.log()) == [(num_hot, tp, layout, exchange)]
+    assert relayed_ranks(server.log()) == set(range(tp))
 
 
 def rank_threads(log: str) -> dict[int, tuple[int, list[int]]]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -74,3 +75,9 @@ def overlap_env(env: dict, enabled: bool = True) -> dict:
     paths = [str(SITE), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     plugins = f"{env['SGLANG_PLUGINS']},{PLUGIN}" if enabled else env["SGLANG_PLUGINS"]
     return env | {"PYTHONPATH": os.pathsep.join(paths), "SGLANG_PLUGINS": plugins}
+
+
+def relayed_ranks(log: str) -> set[int]:
+    """The TP ranks of a server log whose scheduler read draft inputs back from the future map
+    (rank 0 for a TP=1 server, whose lines carry no rank)."""
+    return {int(rank or 0) for rank in re.findall(rf"(?: TP(\d+))?\] {re.escape(RELAY_LINE)}", log)}
