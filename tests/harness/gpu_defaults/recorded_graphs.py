@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -215,11 +216,20 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _caller() -> str:
+    """Where the capture's Python asked for the op: the innermost frame outside torch and this file."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/torch/" not in frame.filename and frame.filename != __file__:
+            return f"{frame.filename}:{frame.lineno} ({frame.name})"
+    return "unknown"
+
+
 def _refuse_unless_capturable(func, args, kwargs) -> None:
     if torch.Tag.data_dependent_output in func.tags:
         raise GraphCaptureError(
             f"{func} inside a graph capture: it reads a tensor's value on the host (.item(), bool(t), "
-            "int(t), a Python branch on a tensor), a host sync that a CUDA graph cannot capture"
+            f"int(t), a Python branch on a tensor), a host sync that a CUDA graph cannot capture; "
+            f"at {_caller()}"
         )
     if torch.Tag.dynamic_output_shape in func.tags:
         indices, _ = tree_flatten(args[1] if len(args) > 1 else kwargs.get("indices"))
@@ -229,7 +239,7 @@ def _refuse_unless_capturable(func, args, kwargs) -> None:
         if func._schema.name not in _INDEX_OPS or bool_index:
             raise GraphCaptureError(
                 f"{func} inside a graph capture: its output shape depends on tensor values, which a CUDA "
-                "graph cannot capture (it syncs with the host to size the output)"
+                f"graph cannot capture (it syncs with the host to size the output); at {_caller()}"
             )
 
 
@@ -248,7 +258,7 @@ def _host_reads_refused() -> Iterator[None]:
         def refused(self, *args, **kwargs):
             raise GraphCaptureError(
                 f"Tensor.{name}() inside a graph capture: it copies a tensor to the host and syncs, "
-                "which a CUDA graph cannot capture"
+                f"which a CUDA graph cannot capture; at {_caller()}"
             )
 
         return refused
@@ -336,7 +346,7 @@ class RecordedGraphBackend(BaseCudaGraphBackend):
                 current = f"{_storage_address(now):#x}" if isinstance(now, torch.Tensor) else repr(now)
                 raise GraphReplayError(
                     f"{type(owner).__name__}.{name} was replaced after capture: the graph reads the "
-                    f"storage at {address:#x}, the runner now holds {current}"
+                    f"storage at {address:#x}, it now holds {current}"
                 )
         return self.graphs[shape_key].replay()
 
