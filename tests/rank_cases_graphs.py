@@ -28,7 +28,6 @@ from tests.harness.gpu_defaults.recorded_graphs import RecordedGraphBackend
 from tests.rank_cases import _target_head
 
 GRAPH_CAPTURE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.graph_capture"
-RESOLVE_BACKEND = "sglang.srt.speculative.eagle_draft_cuda_graph_runner.resolve_decode_backend"
 
 
 def hot_draft_head(hot: int, hidden: int) -> torch.Tensor:
@@ -55,6 +54,8 @@ def _draft_worker(payload: dict, model, forward: Callable):
     """A real ``EagleDraftWorker`` (its ``draft_forward``) over a stand-in draft runner holding
     ``model`` whose ``forward(forward_batch)`` returns the logits output; ``__init__`` is skipped as
     in SGLang's kit (it loads a model)."""
+    from sglang.srt.layers.attention.base_attn_backend import SharedReadEnds
+    from sglang.srt.model_executor.graph_shared_output import GraphSharedOutput
     from sglang.srt.runtime_context import get_server_args
     from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -75,6 +76,9 @@ def _draft_worker(payload: dict, model, forward: Callable):
 
         def init_forward_metadata_out_graph(self, *args, **kwargs):
             pass
+
+        def shared_read_ends(self, forward_mode):
+            return SharedReadEnds.UNKNOWN  # no read-done event (CPU has none)
 
     config = SimpleNamespace(
         vocab_size=payload["vocab"],  # the draft model's vocab, as SGLang reads it for the buffer
@@ -98,10 +102,13 @@ def _draft_worker(payload: dict, model, forward: Callable):
         canary_manager=None,
         draft_attn_backend=AttentionStandIn(),
         forward=lambda forward_batch: SimpleNamespace(logits_output=forward(forward_batch)),
+        graph_shared_output=GraphSharedOutput(device=torch.device("cpu"), max_rows=payload["max_running"]),
+        shared_read_done_event=None,
     )
     worker = EagleDraftWorker.__new__(EagleDraftWorker)
     worker.server_args, worker.device = get_server_args(), "cpu"
     worker.draft_runner, worker.draft_attn_backend = runner, runner.draft_attn_backend
+    worker.draft_extend_attn_backend = runner.draft_attn_backend
     worker.topk, worker.speculative_num_steps, worker.speculative_num_draft_tokens = 1, steps, steps + 1
     worker.speculative_algorithm = SpeculativeAlgorithm.EAGLE
     worker.index_share_for_mtp_iteration = worker.seed_dsa_topk_from_draft_extend = False
@@ -168,8 +175,7 @@ class _OneLayerDraft(torch.nn.Module):
         del self.embed_tokens.weight, self.lm_head.weight
         self.embed_tokens.weight, self.lm_head.weight = embed, head
 
-    def forward(self, forward_batch):
-        input_ids = forward_batch.input_ids
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch):
         states = torch.tanh(forward_batch.spec_info.hidden_states @ self.mix + self.embed_tokens(input_ids))
         return self.logits_processor(input_ids, states, self.lm_head, forward_batch)
 
@@ -182,7 +188,7 @@ def _plugin_worker(payload: dict):
 
     target = _TargetHeads(payload["vocab"], payload["hidden"])
     draft = _OneLayerDraft(payload["vocab"], payload["hidden"])
-    worker = _draft_worker(payload, draft, draft.forward)
+    worker = _draft_worker(payload, draft, lambda batch: draft(batch.input_ids, batch.positions, batch))
     worker.target_worker = SimpleNamespace(model_runner=SimpleNamespace(model=target),
                                            model_config=SimpleNamespace(hf_eos_token_id=None))  # fmt: skip
     # Stands in for reading the target checkpoint's shared tensors.
@@ -231,11 +237,14 @@ def _forward_batch(spec_info, rows: int, steps: int, temperature: float):
     )
 
 
-def _build_runner(worker, steps: int):
+def _build_runner(worker, steps: int, runner_class=None):
+    """SGLang's draft-decode runner (or ``runner_class``, built the same way) on recorded graphs."""
     from sglang.srt.speculative.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 
-    with patch(GRAPH_CAPTURE, _no_capture_stream), patch(RESOLVE_BACKEND, _recorded_backend):
-        return EAGLEDraftCudaGraphRunner(worker, speculative_num_steps=steps)
+    runner_class = runner_class or EAGLEDraftCudaGraphRunner
+    resolve = f"{runner_class.__module__}.resolve_decode_backend"
+    with patch(GRAPH_CAPTURE, _no_capture_stream), patch(resolve, _recorded_backend):
+        return runner_class(worker, speculative_num_steps=steps)
 
 
 def _error(function) -> str | None:
@@ -452,6 +461,77 @@ def _faults(payload: dict) -> dict:
     return out
 
 
+def _extend_batch(rows: int, payload: dict, seed: int):
+    """A draft-extend batch after verify: ``rows`` requests of ``steps + 1`` tokens each (the
+    target's hidden states), the last accepted token of each selected for the head."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    width = payload["steps"] + 1
+    g = torch.Generator().manual_seed(seed)
+    accepted = torch.randint(1, width + 1, (rows,), generator=g)
+    select_index = torch.arange(rows) * width + accepted - 1
+    spec_info = EagleDraftExtendInput(
+        hidden_states=torch.randn(rows * width, payload["hidden"], generator=g),
+        num_correct_drafts=(accepted - 1).int(),
+        num_accept_tokens=accepted.int(),
+        num_tokens_per_req=width,
+        num_tokens_for_logprob_per_req=1,
+        select_index=select_index,
+    )
+    seq_lens = torch.arange(rows, dtype=torch.int64) + 10
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.DRAFT_EXTEND_V2,
+        batch_size=rows,
+        input_ids=torch.randint(0, payload["vocab"], (rows * width,), generator=g),
+        req_pool_indices=torch.arange(rows, dtype=torch.int64),
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens.clone(),
+        extend_seq_lens=torch.full((rows,), width, dtype=torch.int32),
+        extend_seq_lens_cpu=[width] * rows,
+        out_cache_loc=torch.arange(rows * width, dtype=torch.int64) + 200,
+        seq_lens_sum=int(seq_lens.sum()),
+        positions=torch.arange(rows * width, dtype=torch.int64),
+        return_logprob=False,
+        spec_algorithm=SpeculativeAlgorithm.EAGLE,
+        spec_info=spec_info,
+        capture_hidden_mode=CaptureHiddenMode.LAST,
+    )
+    return batch, select_index
+
+
+def _draft_extend_graph(payload: dict, layout: str, exchange: str) -> dict:
+    """The plugin's draft with ``layout`` and ``exchange``, SGLang's draft-extend runner captured
+    with recorded graphs (the processor writes SGLang's shared logits buffer), then batches of
+    other values and sizes replayed, and the draft model's forward run eagerly on each."""
+    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
+
+    from sglang_frspec.core.options import EXCHANGE_ENV, LAYOUT_ENV
+
+    os.environ[LAYOUT_ENV], os.environ[EXCHANGE_ENV] = layout, exchange
+    with get_spec().override(speculative_use_rejection_sampling=False):  # else the exchange is full
+        worker = _plugin_worker(payload)
+    draft = worker.draft_runner.model
+    runner = _build_runner(worker, payload["steps"], EAGLEDraftExtendCudaGraphRunner)
+    buffer = runner.buffers.next_token_logits_buffer
+    out = {"exchange": draft.logits_processor.exchange, "buffer": tuple(buffer.shape),
+           "collectives": {str(k): g.collectives for k, g in runner.backend.graphs.items()}}  # fmt: skip
+    for rows, seed, _ in payload["replays"]:
+        batch, select_index = _extend_batch(rows, payload, seed)
+        replay = runner.execute(batch, select_index)
+        batch, _ = _extend_batch(rows, payload, seed)
+        eager = draft(batch.input_ids, batch.positions, batch)
+        out[(rows, seed)] = {
+            "replay": (replay.next_token_logits.clone(), replay.hidden_states.clone()),
+            "eager": (eager.next_token_logits, eager.hidden_states),
+            "in buffer": replay.next_token_logits.data_ptr()
+            == runner.buffers.next_token_logits_buffer.data_ptr(),
+        }
+    return out
+
+
 def recorded_draft_graph_cases(payload: dict) -> dict:
     """With the plugin loaded: the draft-decode graph under each layout and exchange, greedy
     (no rejection sampling) and under rejection sampling (its sampling and all-greedy graphs,
@@ -465,4 +545,7 @@ def recorded_draft_graph_cases(payload: dict) -> dict:
             for exchange in ("full",) if rejection_sampling else ("full", "topk"):
                 case = (layout, exchange, rejection_sampling)
                 out[case] = _draft_decode_graph(payload, *case)
+    for layout in ("local", "balanced"):
+        for exchange in ("full", "topk"):
+            out[("extend", layout, exchange)] = _draft_extend_graph(payload, layout, exchange)
     return out | {"faults": _faults(payload)}

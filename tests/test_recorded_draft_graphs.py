@@ -82,6 +82,33 @@ def test_replays_equal_eager(ranks, case):
                                                            ranks[1][case][key]["replay"][2:3]))  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", ["local", "balanced"])
+@pytest.mark.parametrize("exchange", ["full", "topk"])
+def test_draft_extend_replays_equal_eager(ranks, layout, exchange):
+    """SGLang's draft-extend runner: the processor writes the H-wide logits into SGLang's shared
+    graph buffer, and every replay (3 rows padded to 4, the selected rows differing per batch)
+    returns the logits and hidden states of the draft's forward run eagerly on the same batch."""
+    for rank in ranks:
+        out = rank[("extend", layout, exchange)]
+        assert out["exchange"] == exchange
+        assert out["buffer"] == (max(CAPTURE_SIZES), HOT)
+        for rows, seed, _ in REPLAYS:
+            case = out[(rows, seed)]
+            assert case["in buffer"]
+            (logits, hidden), (eager_logits, eager_hidden) = case["replay"], case["eager"]
+            assert logits.shape == (rows, HOT) and hidden.shape == (rows, HIDDEN)
+            assert torch.equal(logits, eager_logits) and torch.equal(hidden, eager_hidden), (rows, seed)
+        for sequence in out["collectives"].values():  # the embedding's all-reduce, the exchange's gather
+            assert [c.split("(")[0] for c in sequence] == [
+                "c10d.allreduce_.default",
+                "c10d._allgather_base_.default",
+            ]
+    for key in ranks[0][("extend", layout, exchange)]:
+        if isinstance(key, tuple):
+            a, b = (rank[("extend", layout, exchange)][key]["replay"][0] for rank in ranks)
+            assert torch.equal(a, b)
+
+
 def test_collectives_are_recorded_in_the_graph(ranks):
     """Each captured graph re-issues the embedding's all-reduce and the plugin's all-gather, the
     same sequence on both ranks (the backend compares them at capture)."""
