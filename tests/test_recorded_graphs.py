@@ -91,3 +91,11 @@ def test_replay_refuses_a_freed_input():
         GraphReplayError, match=r"the graph reads a buffer that was freed after capture \(torch.float32 \[3\]"
     ):
         graph.replay()
+
+
+def test_replay_refuses_an_input_whose_storage_moved():
+    buffer = torch.ones(3)
+    graph, _ = record(lambda: buffer * 2)
+    buffer.untyped_storage().resize_(4096)  # the same tensor, its memory reallocated
+    with pytest.raises(GraphReplayError, match="the graph reads a buffer whose storage moved after capture"):
+        graph.replay()

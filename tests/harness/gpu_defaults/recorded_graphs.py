@@ -84,6 +84,12 @@ class _ExternalInput:
                 f"the graph reads a buffer that was freed after capture ({self.dtype} {list(self.size)} at "
                 f"{self.address:#x}, first read by {self.first_reader}): a CUDA graph would read freed memory"
             )
+        if storage.data_ptr() != self.address:  # resized in place: the graph reads the old address
+            raise GraphReplayError(
+                f"the graph reads a buffer whose storage moved after capture ({self.dtype} "
+                f"{list(self.size)}, {self.address:#x} -> {storage.data_ptr():#x}, "
+                f"first read by {self.first_reader})"
+            )
         return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
 
 
