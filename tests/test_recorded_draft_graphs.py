@@ -109,6 +109,21 @@ def test_draft_extend_replays_equal_eager(ranks, layout, exchange):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("layout", ["local", "balanced"])
+def test_map_swap_and_head_refresh_after_capture_reach_the_graph(ranks, layout):
+    """After capture, the plugin's adaptive map swaps ids in and its head refresh re-reads an
+    updated weight, both in place: the next replays equal ``draft_forward`` run eagerly (q over
+    every hot column, the sampled tokens), and each changed q, so the graph read the new state."""
+    for rank in ranks:
+        out = rank[("swap and refresh", layout)]
+        assert out["swapped"] > 0
+        for stage in ("before", "after swap", "after refresh"):
+            replay, eager = out[stage]["replay"], out[stage]["eager"]
+            assert all(torch.equal(r, e) for r, e in zip(replay, eager, strict=True)), stage
+        q = [out[stage]["replay"][3] for stage in ("before", "after swap", "after refresh")]
+        assert not torch.equal(q[0], q[1]) and not torch.equal(q[1], q[2])
+
+
 def test_collectives_are_recorded_in_the_graph(ranks):
     """Each captured graph re-issues the embedding's all-reduce and the plugin's all-gather, the
     same sequence on both ranks (the backend compares them at capture)."""
