@@ -398,9 +398,11 @@ def _draft_decode_graph(payload: dict, layout: str, exchange: str, rejection_sam
     captured with recorded graphs, then batches of other values and sizes replayed and run eagerly."""
     from sglang.srt.runtime_context import get_spec
 
-    from sglang_frspec.core.options import EXCHANGE_ENV, LAYOUT_ENV
+    from sglang_frspec.core.options import ADAPT_ENV, ADAPT_INTERVAL_ENV, EXCHANGE_ENV, LAYOUT_ENV
 
     os.environ[LAYOUT_ENV], os.environ[EXCHANGE_ENV] = layout, exchange
+    # Under rejection sampling the adaptive map is on too (swapped after the replays).
+    os.environ |= {ADAPT_ENV: str(int(rejection_sampling)), ADAPT_INTERVAL_ENV: "1"}
     with get_spec().override(speculative_use_rejection_sampling=rejection_sampling):
         worker = _plugin_worker(payload)
         processor = worker.draft_runner.model.logits_processor
@@ -411,6 +413,9 @@ def _draft_decode_graph(payload: dict, layout: str, exchange: str, rejection_sam
         for rows, seed, greedy in payload["replays"]:
             out[(rows, seed, greedy)] = _replay_and_eager(runner, worker, payload, rows, seed,
                                                           rejection_sampling, greedy)  # fmt: skip
+        if rejection_sampling:
+            out["swap and refresh"] = _swap_and_refresh_after_capture(runner, worker, payload)
+    del os.environ[ADAPT_ENV], os.environ[ADAPT_INTERVAL_ENV]
     return out
 
 
@@ -532,41 +537,28 @@ def _draft_extend_graph(payload: dict, layout: str, exchange: str) -> dict:
     return out
 
 
-def _map_swap_and_refresh(payload: dict, layout: str) -> dict:
-    """Under rejection sampling (q is every hot column): after capture, the plugin's adaptive map
-    swaps ids in (its own decision from committed tokens, applied on every rank) and a weight
-    update in place is followed by the plugin's head refresh; each must leave the graph reading
-    the new map and head (both rewrite ``hot_token_id`` and the head in place), so replays still
-    equal ``draft_forward`` run eagerly."""
-    from sglang.srt.runtime_context import get_spec
-
+def _swap_and_refresh_after_capture(runner, worker, payload: dict) -> dict:
+    """After capture (under rejection sampling, so q shows every hot column): the plugin's adaptive
+    map swaps ids in (its own decision from committed tokens, applied on every rank), then a weight
+    update in place is followed by the plugin's head refresh. Both rewrite ``hot_token_id`` and the
+    head in place, so the graph must read the new map and head: each replay is compared with
+    ``draft_forward`` run eagerly."""
     from sglang_frspec.adapters.state import state_of
-    from sglang_frspec.core.options import ADAPT_ENV, ADAPT_INTERVAL_ENV, EXCHANGE_ENV, LAYOUT_ENV
 
-    os.environ |= {LAYOUT_ENV: layout, EXCHANGE_ENV: "full", ADAPT_ENV: "1", ADAPT_INTERVAL_ENV: "1"}
     rows, seed, _ = payload["replays"][1]  # a captured size: the sampled tokens compare exactly
-    try:
-        with get_spec().override(speculative_use_rejection_sampling=True):
-            worker = _plugin_worker(payload)
-            runner = _build_runner(worker, payload["steps"])
-            out = {"before": _replay_and_eager(runner, worker, payload, rows, seed, True, False)}
-            state, hot_before = state_of(worker), worker.hot_token_id.clone()
-            outside = torch.ones(payload["vocab"], dtype=torch.bool)
-            outside[hot_before] = False
-            incoming = outside.nonzero().flatten()[::97]  # spread over both ranks' vocab shards
-            for _ in range(8):  # committed tokens outside the map, counted as the verify hook counts
-                state.coverage.counts.add(incoming, torch.tensor([incoming.numel()]), incoming.numel())
-            state.coverage.adapter.after_verify()  # rank 0 decides, every rank applies
-            out["swapped"] = int((worker.hot_token_id != hot_before).sum())
-            out["after swap"] = _replay_and_eager(runner, worker, payload, rows, seed, True, False)
-            target_head = worker.target_worker.model_runner.model.lm_head.weight
-            with torch.no_grad():
-                target_head.mul_(1.5)  # a weight update in place
-            state.head.refresh()
-            out["after refresh"] = _replay_and_eager(runner, worker, payload, rows, seed, True, False)
-    finally:
-        for name in (ADAPT_ENV, ADAPT_INTERVAL_ENV):
-            del os.environ[name]
+    state, hot_before = state_of(worker), worker.hot_token_id.clone()
+    outside = torch.ones(payload["vocab"], dtype=torch.bool)
+    outside[hot_before] = False
+    incoming = outside.nonzero().flatten()[::97]  # spread over both ranks' vocab shards
+    for _ in range(8):  # committed tokens outside the map, counted as the verify hook counts them
+        state.coverage.counts.add(incoming, torch.tensor([incoming.numel()]), incoming.numel())
+    state.coverage.adapter.after_verify()  # rank 0 decides, every rank applies
+    out = {"swapped": int((worker.hot_token_id != hot_before).sum())}
+    out["after swap"] = _replay_and_eager(runner, worker, payload, rows, seed, True, False)
+    with torch.no_grad():
+        worker.target_worker.model_runner.model.lm_head.weight.mul_(1.5)  # a weight update in place
+    state.head.refresh()
+    out["after refresh"] = _replay_and_eager(runner, worker, payload, rows, seed, True, False)
     return out
 
 
@@ -586,5 +578,4 @@ def recorded_draft_graph_cases(payload: dict) -> dict:
     for layout in ("local", "balanced"):
         for exchange in ("full", "topk"):
             out[("extend", layout, exchange)] = _draft_extend_graph(payload, layout, exchange)
-        out[("swap and refresh", layout)] = _map_swap_and_refresh(payload, layout)
     return out | {"faults": _faults(payload)}

@@ -114,13 +114,19 @@ def test_map_swap_and_head_refresh_after_capture_reach_the_graph(ranks, layout):
     """After capture, the plugin's adaptive map swaps ids in and its head refresh re-reads an
     updated weight, both in place: the next replays equal ``draft_forward`` run eagerly (q over
     every hot column, the sampled tokens), and each changed q, so the graph read the new state."""
+    rows, seed, greedy = REPLAYS[1]
     for rank in ranks:
-        out = rank[("swap and refresh", layout)]
-        assert out["swapped"] > 0
-        for stage in ("before", "after swap", "after refresh"):
-            replay, eager = out[stage]["replay"], out[stage]["eager"]
-            assert all(torch.equal(r, e) for r, e in zip(replay, eager, strict=True)), stage
-        q = [out[stage]["replay"][3] for stage in ("before", "after swap", "after refresh")]
+        out = rank[(layout, "full", True)]
+        swap_and_refresh = out["swap and refresh"]
+        assert swap_and_refresh["swapped"] > 0
+        stages = [
+            out[(rows, seed, greedy)],
+            swap_and_refresh["after swap"],
+            swap_and_refresh["after refresh"],
+        ]
+        for stage in stages[1:]:
+            assert all(torch.equal(r, e) for r, e in zip(stage["replay"], stage["eager"], strict=True))
+        q = [stage["replay"][3] for stage in stages]
         assert not torch.equal(q[0], q[1]) and not torch.equal(q[1], q[2])
 
 
