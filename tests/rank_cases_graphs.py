@@ -28,6 +28,7 @@ from tests.harness.gpu_defaults.recorded_graphs import RecordedGraphBackend
 from tests.rank_cases import _target_head
 
 GRAPH_CAPTURE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.graph_capture"
+FREEZE_GC = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.freeze_gc"
 
 
 def hot_draft_head(hot: int, hidden: int) -> torch.Tensor:
@@ -243,7 +244,10 @@ def _build_runner(worker, steps: int, runner_class=None):
 
     runner_class = runner_class or EAGLEDraftCudaGraphRunner
     resolve = f"{runner_class.__module__}.resolve_decode_backend"
-    with patch(GRAPH_CAPTURE, _no_capture_stream), patch(resolve, _recorded_backend):
+    # SGLang brackets capture with two full gc.collect() passes (freeze_gc), about 1 s each in a
+    # rank holding SGLang's modules: half of this suite's capture time, and no part of a graph.
+    no_gc_freeze = patch(FREEZE_GC, lambda enable_cudagraph_gc: contextlib.nullcontext())
+    with patch(GRAPH_CAPTURE, _no_capture_stream), patch(resolve, _recorded_backend), no_gc_freeze:
         return runner_class(worker, speculative_num_steps=steps)
 
 
