@@ -1,27 +1,34 @@
-"""Functions run on a real SGLang rank: the draft-decode CUDA graph runner's q under rejection
-sampling with a map (see tests/test_graph_rejection_sampling.py).
+"""Functions run on a real SGLang rank: SGLang's EAGLE draft-decode CUDA graph runner built, captured
+and replayed on the CPU with recorded graphs (``tests/harness/gpu_defaults/recorded_graphs.py``),
+with the plugin's hooks, its hot head and its logits exchange inside the graph (see
+tests/test_graph_rejection_sampling.py and tests/test_recorded_draft_graphs.py).
 
-SGLang's own ``EAGLEDraftCudaGraphRunner`` is built, captured and replayed on the CPU: its
-``__init__`` allocates the buffers, ``capture_one_shape`` runs ``EagleDraftWorker.draft_forward``
-on them (the stack of q) and ``execute`` copies a batch into them (the copy of q), as SGLang's own
-runner test kit does (``sglang/test/kits/attention_unittest/runner_modes/
-speculative_draft_runner.py``). Only what needs a GPU is stood in for: a CUDA graph (the backend
-below runs the captured function again at replay, on the same buffers, which is what replaying a
-graph computes), the graph-capture stream, attention metadata, and the draft model, whose forward
-returns ``[rows, H]`` logits as the plugin's logits processor does.
+SGLang's own ``EAGLEDraftCudaGraphRunner`` runs: its ``__init__`` allocates the buffers,
+``capture_one_shape`` captures ``EagleDraftWorker.draft_forward`` on them (through the backend:
+two warm-ups, then the recorded capture) and ``execute`` pads and copies a batch into them and
+replays, as SGLang's own runner test kit does (``sglang/test/kits/attention_unittest/runner_modes/
+speculative_draft_runner.py``). Only what needs a GPU or a checkpoint is stood in for: the CUDA
+graph itself (recorded graphs: the ops dispatched at capture, replayed on the captured memory),
+the graph-capture stream, attention metadata, the draft model's layers and the model runner's
+``forward`` around them. The draft's vocab-parallel embedding, LM head and logits processor are
+SGLang's, replaced by the plugin's own ``init_lm_head`` hook.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from types import SimpleNamespace
 from unittest.mock import patch
 
 import torch
 
+from tests.harness.gpu_defaults.recorded_graphs import RecordedGraphBackend
+from tests.rank_cases import _target_head
+
 GRAPH_CAPTURE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.graph_capture"
-RESOLVE_BACKEND = "sglang.srt.speculative.eagle_draft_cuda_graph_runner.resolve_decode_backend"
+FREEZE_GC = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.freeze_gc"
 
 
 def hot_draft_head(hot: int, hidden: int) -> torch.Tensor:
@@ -29,48 +36,14 @@ def hot_draft_head(hot: int, hidden: int) -> torch.Tensor:
     return torch.randn(hot, hidden, generator=torch.Generator().manual_seed(5)) / hidden**0.5
 
 
-def _eager_graph_backend(runner):
-    """A graph backend that captures a function by running it once and replays it by running it
-    again: the captured function reads and writes the runner's buffers, as a CUDA graph does. A
-    graph also freezes the Python branches taken at capture; the one that differs between the
-    runner's two captures of a size is the greedy variant's (no q), so it is restored at replay."""
-    from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import BaseCudaGraphBackend
+def _recorded_backend(runner) -> RecordedGraphBackend:
+    """What ``resolve_decode_backend`` returns here: recorded graphs that watch the buffers the
+    runner copies each batch into and the worker's tensors (``hot_token_id``), and compare each
+    capture's collectives over the TP group."""
+    from sglang.srt.runtime_context import get_parallel
 
-    def captured_batch(forward_fn):  # the capture's ForwardBatch, which the function closes over
-        return forward_fn.__closure__[forward_fn.__code__.co_freevars.index("forward_batch")].cell_contents
-
-    class EagerGraphBackend(BaseCudaGraphBackend):
-        def __init__(self):
-            self.graphs = {}
-
-        @contextlib.contextmanager
-        def capture_session(self, stream):
-            yield
-
-        def capture_one(self, shape_key, forward_fn, capture_inputs=None, post_warmup_hook=None):
-            forward_fn()
-            greedy = captured_batch(forward_fn).sampling_info.is_all_greedy
-
-            def replay():
-                captured_batch(forward_fn).sampling_info.is_all_greedy = greedy
-                return forward_fn()
-
-            self.graphs[shape_key] = replay
-
-        def can_run(self, forward_batch, shape_key):
-            return shape_key in self.graphs
-
-        @contextlib.contextmanager
-        def replay_session(self):
-            yield
-
-        def replay(self, shape_key, static_forward_batch, **kwargs):
-            return self.graphs[shape_key]()
-
-        def cleanup(self):
-            self.graphs.clear()
-
-    return EagerGraphBackend()
+    owners = (runner, runner.buffers, runner.eagle_worker)
+    return RecordedGraphBackend(owners, group=get_parallel().tp_group.cpu_group)
 
 
 @contextlib.contextmanager
@@ -78,19 +51,17 @@ def _no_capture_stream(stream=None):
     yield SimpleNamespace(stream=stream)
 
 
-def _draft_worker(payload: dict):
-    """A real ``EagleDraftWorker`` (its ``draft_forward``, and the plugin's state on it) over a
-    stand-in draft runner; ``__init__`` is skipped as in SGLang's kit (it loads a model)."""
-    from sglang.srt.configs.shared_experts import SharedExpertsConfig
-    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+def _draft_worker(payload: dict, model, forward: Callable):
+    """A real ``EagleDraftWorker`` (its ``draft_forward``) over a stand-in draft runner holding
+    ``model`` whose ``forward(forward_batch)`` returns the logits output; ``__init__`` is skipped as
+    in SGLang's kit (it loads a model)."""
+    from sglang.srt.layers.attention.base_attn_backend import SharedReadEnds
+    from sglang.srt.model_executor.graph_shared_output import GraphSharedOutput
     from sglang.srt.runtime_context import get_server_args
     from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_frspec.adapters.state import FrSpecState, attach_state
-
-    hot, hidden, steps = payload["hot"], payload["hidden"], payload["steps"]
-    head = hot_draft_head(hot, hidden)
+    steps = payload["steps"]
 
     class AttentionStandIn:
         attn_backends = property(lambda self: [self] * steps)
@@ -107,44 +78,126 @@ def _draft_worker(payload: dict):
         def init_forward_metadata_out_graph(self, *args, **kwargs):
             pass
 
-    def forward(forward_batch):  # the draft: hidden states unchanged, logits over the H hot ids
-        states = forward_batch.spec_info.hidden_states
-        return SimpleNamespace(
-            logits_output=LogitsProcessorOutput(next_token_logits=states @ head.T, hidden_states=states)
-        )
+        def shared_read_ends(self, forward_mode):
+            return SharedReadEnds.UNKNOWN  # no read-done event (CPU has none)
 
     config = SimpleNamespace(
         vocab_size=payload["vocab"],  # the draft model's vocab, as SGLang reads it for the buffer
         model_is_mrope=False,
-        spec_hidden_size=hidden,
+        spec_hidden_size=payload["hidden"],
         dtype=torch.float32,
         hf_config=SimpleNamespace(architectures=["LlamaForCausalLMEagle"]),
     )
     runner = SimpleNamespace(
         device="cpu",
         gpu_id=0,
+        dtype=torch.float32,
         spec_algorithm=SpeculativeAlgorithm.EAGLE,
         is_draft_worker=True,
         model_config=config,
-        model=SimpleNamespace(shared_experts_config=SharedExpertsConfig(), forward=None),
+        model=model,
         req_to_token_pool=SimpleNamespace(size=payload["max_running"]),
         server_args=get_server_args(),
         kv_index_translator=SimpleNamespace(bind_runner_slots=lambda forward_batch: None),
         device_timer=None,
         canary_manager=None,
         draft_attn_backend=AttentionStandIn(),
-        forward=forward,
+        forward=lambda forward_batch: SimpleNamespace(logits_output=forward(forward_batch)),
+        graph_shared_output=GraphSharedOutput(device=torch.device("cpu"), max_rows=payload["max_running"]),
+        shared_read_done_event=None,
     )
     worker = EagleDraftWorker.__new__(EagleDraftWorker)
     worker.server_args, worker.device = get_server_args(), "cpu"
     worker.draft_runner, worker.draft_attn_backend = runner, runner.draft_attn_backend
+    worker.draft_extend_attn_backend = runner.draft_attn_backend
     worker.topk, worker.speculative_num_steps, worker.speculative_num_draft_tokens = 1, steps, steps + 1
-    worker.hot_token_id = torch.tensor(payload["hot_ids"])
     worker.speculative_algorithm = SpeculativeAlgorithm.EAGLE
     worker.index_share_for_mtp_iteration = worker.seed_dsa_topk_from_draft_extend = False
     worker.dsa_seed_topk_width = None
     worker._rebuild_topk1_chain_buffers()
+    return worker
+
+
+def _hot_logits_worker(payload: dict):
+    """A draft worker whose draft keeps its hidden states and returns logits over the H hot ids
+    (``hot_draft_head``), with the plugin's state attached and ``hot_token_id`` set as its
+    start-up hooks leave them."""
+    from sglang.srt.configs.shared_experts import SharedExpertsConfig
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+    from sglang_frspec.adapters.state import FrSpecState, attach_state
+
+    head = hot_draft_head(payload["hot"], payload["hidden"])
+
+    def forward(forward_batch):
+        states = forward_batch.spec_info.hidden_states
+        return LogitsProcessorOutput(next_token_logits=states @ head.T, hidden_states=states)
+
+    model = SimpleNamespace(shared_experts_config=SharedExpertsConfig(), forward=None)
+    worker = _draft_worker(payload, model, forward)
+    worker.hot_token_id = torch.tensor(payload["hot_ids"])
     attach_state(worker, FrSpecState(payload["map"], None, None))  # what init_token_map attaches
+    return worker
+
+
+class _TargetHeads(torch.nn.Module):
+    """The target model's vocab-parallel embedding and LM head (SGLang's classes, this rank's shards)."""
+
+    def __init__(self, vocab: int, hidden: int):
+        from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        super().__init__()
+        self.lm_head, _ = _target_head(vocab, hidden, torch.float32, seed=0)
+        self.embed_tokens = VocabParallelEmbedding(vocab, hidden, params_dtype=torch.float32)
+        full = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(2))
+        self.embed_tokens.weight_loader(self.embed_tokens.weight, full)
+
+
+class _OneLayerDraft(torch.nn.Module):
+    """An EAGLE draft reduced to one layer, tanh(carried states @ W + embedding of the input token),
+    over SGLang's vocab-parallel embedding, ``ParallelLMHead`` and ``LogitsProcessor``, which take
+    the target's embedding and the plugin's hot head and processor at ``init_lm_head``."""
+
+    def __init__(self, vocab: int, hidden: int):
+        from sglang.srt.configs.shared_experts import SharedExpertsConfig
+        from sglang.srt.layers.logits_processor import LogitsProcessor
+        from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+        from transformers import LlamaConfig
+
+        super().__init__()
+        self.config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_attention_heads=hidden // 16)
+        self.embed_tokens = VocabParallelEmbedding(vocab, hidden, params_dtype=torch.float32)
+        self.lm_head = ParallelLMHead(vocab, hidden, params_dtype=torch.float32)
+        self.logits_processor = LogitsProcessor(self.config)
+        self.shared_experts_config = SharedExpertsConfig()
+        self.mix = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(3)) / hidden**0.5
+
+    def set_embed_and_head(self, embed: torch.Tensor, head: torch.Tensor) -> None:
+        del self.embed_tokens.weight, self.lm_head.weight
+        self.embed_tokens.weight, self.lm_head.weight = embed, head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch):
+        states = torch.tanh(forward_batch.spec_info.hidden_states @ self.mix + self.embed_tokens(input_ids))
+        return self.logits_processor(input_ids, states, self.lm_head, forward_batch)
+
+
+def _plugin_worker(payload: dict):
+    """A draft worker set up by the plugin's own start-up hook (``init_lm_head``, applied by
+    ``load_plugins``) with the layout and exchange of ``SGLANG_FRSPEC_*``: this rank's hot head,
+    the hot-logits processor and the canonical ``hot_token_id``."""
+    from sglang_frspec.adapters.state import FrSpecState, attach_state
+
+    target = _TargetHeads(payload["vocab"], payload["hidden"])
+    draft = _OneLayerDraft(payload["vocab"], payload["hidden"])
+    worker = _draft_worker(payload, draft, lambda batch: draft(batch.input_ids, batch.positions, batch))
+    worker.target_worker = SimpleNamespace(model_runner=SimpleNamespace(model=target),
+                                           model_config=SimpleNamespace(hf_eos_token_id=None))  # fmt: skip
+    # Stands in for reading the target checkpoint's shared tensors.
+    worker._resolve_shared_embed_and_head = lambda: (target.embed_tokens.weight, target.lm_head.weight)
+    ids = torch.tensor(payload["map_ids"])
+    attach_state(worker, FrSpecState("map", ids, None))  # what init_token_map attaches
+    worker.hot_token_id = ids
+    worker.init_lm_head()
     return worker
 
 
@@ -185,11 +238,17 @@ def _forward_batch(spec_info, rows: int, steps: int, temperature: float):
     )
 
 
-def _build_runner(worker, steps: int):
+def _build_runner(worker, steps: int, runner_class=None):
+    """SGLang's draft-decode runner (or ``runner_class``, built the same way) on recorded graphs."""
     from sglang.srt.speculative.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 
-    with patch(GRAPH_CAPTURE, _no_capture_stream), patch(RESOLVE_BACKEND, _eager_graph_backend):
-        return EAGLEDraftCudaGraphRunner(worker, speculative_num_steps=steps)
+    runner_class = runner_class or EAGLEDraftCudaGraphRunner
+    resolve = f"{runner_class.__module__}.resolve_decode_backend"
+    # SGLang brackets capture with two full gc.collect() passes (freeze_gc), about 1 s each in a
+    # rank holding SGLang's modules: half of this suite's capture time, and no part of a graph.
+    no_gc_freeze = patch(FREEZE_GC, lambda enable_cudagraph_gc: contextlib.nullcontext())
+    with patch(GRAPH_CAPTURE, _no_capture_stream), patch(resolve, _recorded_backend), no_gc_freeze:
+        return runner_class(worker, speculative_num_steps=steps)
 
 
 def _error(function) -> str | None:
@@ -218,7 +277,7 @@ def draft_graph_with_hot_q(payload: dict) -> dict:
     from sglang_frspec.adapters.worker import before_draft
 
     steps, rows, hidden, hot, vocab = (payload[k] for k in ("steps", "rows", "hidden", "hot", "vocab"))
-    worker = _draft_worker(payload)
+    worker = _hot_logits_worker(payload)
     out = {}
 
     stock = EAGLEDraftCudaGraphRunner.capture_one_shape.__wrapped__  # under the plugin's AROUND hook
@@ -299,3 +358,228 @@ def drop_in_worker_start_up() -> dict:
     load_plugins()
     out["graphs, plugin loaded"] = start_up(Backend.FULL)
     return out
+
+
+def _draft_input(rows: int, payload: dict, seed: int, rejection_sampling: bool):
+    """The draft input a draft-extend step hands draft decode: each request's first hot token, its
+    probability, the hidden states and, under rejection sampling, its hot q."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(rows, payload["hot"], generator=g) * 3, -1)
+    return EagleDraftInput(
+        topk_p=q.max(-1, keepdim=True).values,
+        topk_index=q.argmax(-1, keepdim=True),
+        draft_probs=q if rejection_sampling else None,
+        hidden_states=torch.randn(rows, payload["hidden"], generator=g),
+        capture_hidden_mode=CaptureHiddenMode.LAST,
+        num_tokens_per_req=1,
+        num_tokens_for_logprob_per_req=1,
+    )
+
+
+def _replay_and_eager(runner, worker, payload: dict, rows: int, seed: int, rejection_sampling: bool,
+                      greedy: bool) -> dict:  # fmt: skip
+    """One batch of ``rows`` requests through the runner (padded, copied in, the graph replayed)
+    and through ``draft_forward`` run eagerly on an identical batch, the RNG seeded alike."""
+    from sglang.srt.sampling.sampling_params import TOP_K_ALL
+
+    out = {}
+    for path in ("replay", "eager"):
+        batch = _forward_batch(_draft_input(rows, payload, seed, rejection_sampling), rows, payload["steps"],
+                               payload["temperature"])  # fmt: skip
+        batch.sampling_info.is_all_greedy = greedy
+        batch.sampling_info.top_ks.fill_(1 if greedy else TOP_K_ALL)
+        torch.manual_seed(seed)
+        result = runner.execute(batch) if path == "replay" else worker.draft_forward(batch)
+        out[path] = tuple(None if t is None else t.clone() for t in result)
+    return out
+
+
+def _draft_decode_graph(payload: dict, layout: str, exchange: str, rejection_sampling: bool) -> dict:
+    """The plugin's draft set up with ``layout`` and ``exchange``, SGLang's draft-decode runner
+    captured with recorded graphs, then batches of other values and sizes replayed and run eagerly."""
+    from sglang.srt.runtime_context import get_spec
+
+    from sglang_frspec.core.options import ADAPT_ENV, ADAPT_INTERVAL_ENV, EXCHANGE_ENV, LAYOUT_ENV
+
+    os.environ[LAYOUT_ENV], os.environ[EXCHANGE_ENV] = layout, exchange
+    # Under rejection sampling the adaptive map is on too (swapped after the replays).
+    os.environ |= {ADAPT_ENV: str(int(rejection_sampling)), ADAPT_INTERVAL_ENV: "1"}
+    with get_spec().override(speculative_use_rejection_sampling=rejection_sampling):
+        worker = _plugin_worker(payload)
+        processor = worker.draft_runner.model.logits_processor
+        runner = _build_runner(worker, payload["steps"])
+        graphs = runner.backend.graphs
+        out = {"exchange": processor.exchange, "keys": sorted((k.size, str(k.variant_label)) for k in graphs),
+               "collectives": {str(k): g.collectives for k, g in graphs.items()}}  # fmt: skip
+        for rows, seed, greedy in payload["replays"]:
+            out[(rows, seed, greedy)] = _replay_and_eager(runner, worker, payload, rows, seed,
+                                                          rejection_sampling, greedy)  # fmt: skip
+        if rejection_sampling:
+            out["swap and refresh"] = _swap_and_refresh_after_capture(runner, worker, payload)
+    del os.environ[ADAPT_ENV], os.environ[ADAPT_INTERVAL_ENV]
+    return out
+
+
+def _faults(payload: dict) -> dict:
+    """What a GPU would refuse, injected into the plugin on a working setup (local, full, greedy):
+    a Python branch on a tensor value in the exchange, an ``.item()`` in the processor's per-step
+    head guard, and tensors the graph reads replaced after capture."""
+    from sglang.srt.runtime_context import get_spec
+
+    from sglang_frspec.adapters.logits import FrSpecLogitsProcessor
+    from sglang_frspec.core.gather import HotLogitsExchange
+    from sglang_frspec.core.options import EXCHANGE_ENV, LAYOUT_ENV
+
+    os.environ[LAYOUT_ENV], os.environ[EXCHANGE_ENV] = "local", "full"
+    full, check_head = HotLogitsExchange.full, FrSpecLogitsProcessor._check_head
+
+    def full_with_a_branch(self, local, all_gather):
+        if torch.isnan(local).any():  # a Python branch on a tensor value: a host sync
+            local = local.nan_to_num()
+        return full(self, local, all_gather)
+
+    def check_head_with_item(self, lm_head):
+        check_head(self, lm_head)
+        if lm_head.weight.abs().sum().item() == 0:  # a value check: a host sync
+            raise ValueError("the hot head is all zeros")
+
+    steps, out = payload["steps"], {}
+    with get_spec().override(speculative_use_rejection_sampling=False):
+        injections = (
+            ("branch in the exchange", HotLogitsExchange, {"full": full_with_a_branch}),
+            (".item() in the head guard", FrSpecLogitsProcessor, {"_check_head": check_head_with_item}),
+        )
+        for name, target, injected in injections:
+            worker = _plugin_worker(payload)
+            with patch.multiple(target, **injected):
+                out[name] = _error(lambda w=worker: _build_runner(w, steps))
+        worker = _plugin_worker(payload)
+        runner = _build_runner(worker, steps)
+        rows = payload["replays"][0][0]
+        batch = lambda: _forward_batch(_draft_input(rows, payload, 1, False), rows, steps, 1.0)  # noqa: E731
+        out["control"] = _error(lambda: runner.execute(batch()))
+        hidden_states = runner.buffers.hidden_states
+        runner.buffers.hidden_states = torch.zeros_like(hidden_states)  # a new buffer the runner copies into
+        out["buffer replaced"] = _error(lambda: runner.execute(batch()))
+        runner.buffers.hidden_states = hidden_states
+        worker.hot_token_id = worker.hot_token_id.clone()  # a map swap that replaces instead of refilling
+        out["hot_token_id replaced"] = _error(lambda: runner.execute(batch()))
+    return out
+
+
+def _extend_batch(rows: int, payload: dict, seed: int):
+    """A draft-extend batch after verify: ``rows`` requests of ``steps + 1`` tokens each (the
+    target's hidden states), the last accepted token of each selected for the head."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    width = payload["steps"] + 1
+    g = torch.Generator().manual_seed(seed)
+    accepted = torch.randint(1, width + 1, (rows,), generator=g)
+    select_index = torch.arange(rows) * width + accepted - 1
+    spec_info = EagleDraftExtendInput(
+        hidden_states=torch.randn(rows * width, payload["hidden"], generator=g),
+        num_correct_drafts=(accepted - 1).int(),
+        num_accept_tokens=accepted.int(),
+        num_tokens_per_req=width,
+        num_tokens_for_logprob_per_req=1,
+        select_index=select_index,
+    )
+    seq_lens = torch.arange(rows, dtype=torch.int64) + 10
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.DRAFT_EXTEND_V2,
+        batch_size=rows,
+        input_ids=torch.randint(0, payload["vocab"], (rows * width,), generator=g),
+        req_pool_indices=torch.arange(rows, dtype=torch.int64),
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens.clone(),
+        extend_seq_lens=torch.full((rows,), width, dtype=torch.int32),
+        extend_seq_lens_cpu=[width] * rows,
+        out_cache_loc=torch.arange(rows * width, dtype=torch.int64) + 200,
+        seq_lens_sum=int(seq_lens.sum()),
+        positions=torch.arange(rows * width, dtype=torch.int64),
+        return_logprob=False,
+        spec_algorithm=SpeculativeAlgorithm.EAGLE,
+        spec_info=spec_info,
+        capture_hidden_mode=CaptureHiddenMode.LAST,
+    )
+    return batch, select_index
+
+
+def _draft_extend_graph(payload: dict, layout: str, exchange: str) -> dict:
+    """The plugin's draft with ``layout`` and ``exchange``, SGLang's draft-extend runner captured
+    with recorded graphs (the processor writes SGLang's shared logits buffer), then batches of
+    other values and sizes replayed, and the draft model's forward run eagerly on each."""
+    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
+
+    from sglang_frspec.core.options import EXCHANGE_ENV, LAYOUT_ENV
+
+    os.environ[LAYOUT_ENV], os.environ[EXCHANGE_ENV] = layout, exchange
+    with get_spec().override(speculative_use_rejection_sampling=False):  # else the exchange is full
+        worker = _plugin_worker(payload)
+    draft = worker.draft_runner.model
+    runner = _build_runner(worker, payload["steps"], EAGLEDraftExtendCudaGraphRunner)
+    buffer = runner.buffers.next_token_logits_buffer
+    out = {"exchange": draft.logits_processor.exchange, "buffer": tuple(buffer.shape),
+           "collectives": {str(k): g.collectives for k, g in runner.backend.graphs.items()}}  # fmt: skip
+    for rows, seed, _ in payload["replays"]:
+        batch, select_index = _extend_batch(rows, payload, seed)
+        replay = runner.execute(batch, select_index)
+        batch, _ = _extend_batch(rows, payload, seed)
+        eager = draft(batch.input_ids, batch.positions, batch)
+        out[(rows, seed)] = {
+            "replay": (replay.next_token_logits.clone(), replay.hidden_states.clone()),
+            "eager": (eager.next_token_logits, eager.hidden_states),
+            "in buffer": replay.next_token_logits.data_ptr()
+            == runner.buffers.next_token_logits_buffer.data_ptr(),
+        }
+    return out
+
+
+def _swap_and_refresh_after_capture(runner, worker, payload: dict) -> dict:
+    """After capture (under rejection sampling, so q shows every hot column): the plugin's adaptive
+    map swaps ids in (its own decision from committed tokens, applied on every rank), then a weight
+    update in place is followed by the plugin's head refresh. Both rewrite ``hot_token_id`` and the
+    head in place, so the graph must read the new map and head: each replay is compared with
+    ``draft_forward`` run eagerly."""
+    from sglang_frspec.adapters.state import state_of
+
+    rows, seed, _ = payload["replays"][1]  # a captured size: the sampled tokens compare exactly
+    state, hot_before = state_of(worker), worker.hot_token_id.clone()
+    outside = torch.ones(payload["vocab"], dtype=torch.bool)
+    outside[hot_before] = False
+    incoming = outside.nonzero().flatten()[::97]  # spread over both ranks' vocab shards
+    for _ in range(8):  # committed tokens outside the map, counted as the verify hook counts them
+        state.coverage.counts.add(incoming, torch.tensor([incoming.numel()]), incoming.numel())
+    state.coverage.adapter.after_verify()  # rank 0 decides, every rank applies
+    out = {"swapped": int((worker.hot_token_id != hot_before).sum())}
+    out["after swap"] = _replay_and_eager(runner, worker, payload, rows, seed, True, False)
+    with torch.no_grad():
+        worker.target_worker.model_runner.model.lm_head.weight.mul_(1.5)  # a weight update in place
+    state.head.refresh()
+    out["after refresh"] = _replay_and_eager(runner, worker, payload, rows, seed, True, False)
+    return out
+
+
+def recorded_draft_graph_cases(payload: dict) -> dict:
+    """With the plugin loaded: the draft-decode graph under each layout and exchange, greedy
+    (no rejection sampling) and under rejection sampling (its sampling and all-greedy graphs,
+    the exchange forced to ``full``), then the injected faults."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    out = {}
+    for rejection_sampling in (False, True):
+        for layout in ("local", "balanced"):
+            for exchange in ("full",) if rejection_sampling else ("full", "topk"):
+                case = (layout, exchange, rejection_sampling)
+                out[case] = _draft_decode_graph(payload, *case)
+    for layout in ("local", "balanced"):
+        for exchange in ("full", "topk"):
+            out[("extend", layout, exchange)] = _draft_extend_graph(payload, layout, exchange)
+    return out | {"faults": _faults(payload)}

@@ -6,7 +6,9 @@ SGLang 0.5.23's ``EAGLEDraftCudaGraphRunner`` allocates its q buffer ``[max_bs, 
 and its capture runs ``draft_forward``, which stacks it with each step's q (``eagle_worker_v2.py:778,
 902``); with a map each step's q is ``[bs, H]``, so stock capture fails. These tests run SGLang's
 own runner (``__init__``, ``capture_one_shape``, ``execute``) on the CPU at a Llama-3 vocab and a
-32768-id map (``tests/rank_cases_graphs.py``); a CUDA graph itself never runs here.
+32768-id map (``tests/rank_cases_graphs.py``), its graphs recorded and replayed as ops on the
+captured buffers (``tests/harness/gpu_defaults/recorded_graphs.py``); a CUDA graph itself never
+runs here.
 """
 
 from __future__ import annotations

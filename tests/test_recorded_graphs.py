@@ -1,0 +1,101 @@
+"""The recorded-graph backend on its own (``tests/harness/gpu_defaults/recorded_graphs.py``): a replay
+equals the function run eagerly on the same buffers, runs the captured ops and not the Python, and
+what a CUDA graph cannot hold is refused at capture or at replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness.gpu_defaults.recorded_graphs import GraphCaptureError, GraphReplayError, record
+
+
+class Buffers:
+    """Static inputs and an out= buffer, as a graph runner holds them."""
+
+    def __init__(self):
+        self.x = torch.zeros(4, 6)
+        self.bias = torch.zeros(6)
+        self.out = torch.empty(4, 6)
+        self.scale = {"value": 2.0}  # a Python scalar read at capture
+
+    def fill(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x.copy_(torch.randn(4, 6, generator=g))
+        self.bias.copy_(torch.randn(6, generator=g))
+
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        h = self.x * self.scale["value"]  # a new tensor (the graph's memory)
+        h.add_(self.bias)  # in place
+        tail = h[:, 2:]  # a view ...
+        tail.mul_(0.5)  # ... written through
+        torch.mul(self.x, self.bias, out=self.out)  # out=
+        top = torch.topk(torch.cat([h, self.out], 1), 3, dim=1).values.t()  # a view of an op's output
+        offsets = torch.tensor([1.0, 2.0, 3.0])  # host data inside the capture: a constant
+        return top + offsets[:, None], tail, self.out[1:]
+
+
+def test_replay_equals_eager_on_new_values_and_freezes_the_python():
+    buffers = Buffers()
+    buffers.fill(0)
+    graph, captured = record(buffers.forward)
+    addresses = [t.data_ptr() for t in captured]
+    for seed in (1, 2):
+        buffers.fill(seed)
+        replayed = [t.clone() for t in graph.replay()]
+        eager = buffers.forward()
+        for r, e in zip(replayed, eager, strict=True):
+            torch.testing.assert_close(r, e, rtol=0, atol=0)
+        assert not torch.equal(replayed[0], captured[0].new_zeros(captured[0].shape))
+    assert [t.data_ptr() for t in graph.replay()] == addresses  # the outputs stay where they were captured
+    buffers.fill(3)
+    buffers.scale["value"] = 3.0  # Python state: the graph keeps what it saw at capture
+    frozen = graph.replay()[0].clone()
+    buffers.scale["value"] = 2.0
+    torch.testing.assert_close(frozen, buffers.forward()[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("host_read", "message"),
+    [
+        (lambda t: t.sum().item(), "aten._local_scalar_dense.default inside a graph capture: it reads"),
+        (lambda t: bool((t > 0).any()), "aten._local_scalar_dense.default inside a graph capture: it reads"),
+        (lambda t: torch.equal(t, t), "aten.equal.default inside a graph capture: it reads"),
+        (lambda t: t.tolist(), "Tensor.tolist() inside a graph capture"),
+        (lambda t: t.numpy(), "Tensor.numpy() inside a graph capture"),
+        (lambda t: t.cpu(), "Tensor.cpu() inside a graph capture"),
+        (lambda t: torch.nonzero(t), "aten.nonzero.default inside a graph capture: its output shape"),
+        (lambda t: t[t > 0], "aten.index.Tensor inside a graph capture: its output shape"),
+        (lambda t: torch.unique(t), "inside a graph capture: its output shape"),
+    ],
+)
+def test_capture_refuses_host_syncs_and_data_dependent_shapes(host_read, message):
+    t = torch.randn(5)
+    with pytest.raises(GraphCaptureError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        record(lambda: host_read(t * 2))
+    assert t.tolist() and t.cpu() is t  # restored after the capture
+
+
+def test_integer_indexing_is_captured():
+    table, rows = torch.arange(10.0) * 3, torch.tensor([4, 1])
+    graph, _ = record(lambda: table[rows])
+    rows.copy_(torch.tensor([0, 9]))
+    assert graph.replay().tolist() == [0.0, 27.0]
+
+
+def test_replay_refuses_a_freed_input():
+    holder = {"buffer": torch.ones(3)}
+    graph, _ = record(lambda: holder["buffer"] * 2)
+    holder["buffer"] = torch.full((3,), 5.0)  # the old buffer's last reference goes
+    with pytest.raises(
+        GraphReplayError, match=r"the graph reads a buffer that was freed after capture \(torch.float32 \[3\]"
+    ):
+        graph.replay()
+
+
+def test_replay_refuses_an_input_whose_storage_moved():
+    buffer = torch.ones(3)
+    graph, _ = record(lambda: buffer * 2)
+    buffer.untyped_storage().resize_(4096)  # the same tensor, its memory reallocated
+    with pytest.raises(GraphReplayError, match="the graph reads a buffer whose storage moved after capture"):
+        graph.replay()
