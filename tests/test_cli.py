@@ -67,15 +67,20 @@ def test_plan_bad_map_is_a_clear_error(tmp_path):
 def test_demo_on_the_permutation_fixture(tmp_path):
     """``demo --fixture perm`` (Llama-3-size vocab, TP=2, CPU): its drafts are always accepted.
     (The default, Gemma 3 270M, is the README's main job: tests/test_gemma3.py.)"""
-    args = ["--fixture", "perm", "--skip-stock", "--requests", "4", "--max-new-tokens", "24"]
-    out = cli("demo", *args, "--log-dir", str(tmp_path), timeout=900)
+    args = ["--fixture", "perm", "--skip-stock", "--requests", "4", "--one-at-a-time", "1"]
+    out = cli("demo", *args, "--max-new-tokens", "24", "--log-dir", str(tmp_path), timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "plain greedy equals the fixture's pi chain: yes" in out.stdout
     assert "all outputs equal plain greedy decoding" in out.stdout
-    # The plugin with the map at TP=2 decodes as plain greedy with every draft accepted (2 steps +
-    # the bonus token).
-    row = next(line for line in out.stdout.splitlines() if line.startswith("EAGLE + map"))
-    assert row.split()[-3:-1] == ["yes", "3.00"], row
+    # One table per mode, one request at a time first: the plugin with the map at TP=2 decodes as
+    # plain greedy with every draft accepted (2 steps + the bonus token); plain's ratio is 1.
+    lines = out.stdout.splitlines()
+    titles = [line.split(":")[0] for line in lines if line.endswith("x plain")]
+    assert titles == ["one at a time", "4 at once"]
+    for prefix, columns in (("EAGLE + map", ["yes", "3.00"]), ("plain greedy", ["yes", "-"])):
+        rows = [line.split() for line in lines if line.startswith(f"  {prefix}") and line.endswith("x")]
+        assert len(rows) == 2 and all(row[-4:-2] == columns for row in rows), rows
+    assert all(row[-1] == "1.00x" for row in rows)
 
 
 def test_plan_head_bytes_per_rank_against_the_quantized_vocab_shard(tmp_path):

@@ -69,7 +69,7 @@ def demo(gemma3, tmp_path_factory):
     process with its servers forked from the zygote (about 35 s less per server than the new
     Pythons a user's run starts; tests/test_cli.py runs the command itself, in new Pythons)."""
     folder = tmp_path_factory.mktemp("gemma3-demo")
-    argv = ["demo", "--requests", str(len(gemma3.prompts)), "--log-dir", str(folder)]
+    argv = ["demo", "--requests", str(len(gemma3.prompts)), "--one-at-a-time", "1", "--log-dir", str(folder)]
     args = build_parser().parse_args([*argv, "--json", str(folder / "demo.json")])
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -113,6 +113,9 @@ def test_eagle_at_tp2_decodes_as_plain_greedy(gemma3, demo, run):
     assert [tuple(a) for a in result["plugin"]] == expected_activity
     plain = demo["runs"][PLAIN]["outputs"]
     compare_greedy(gemma3.target, gemma3.prompts, result["outputs"], plain, TIE_EPSILON)
+    alone = result["one_at_a_time"]["outputs"]  # the first prompt, one request at a time
+    compare_greedy(gemma3.target, gemma3.prompts[:1], alone, demo["runs"][PLAIN]["one_at_a_time"]["outputs"],
+                   TIE_EPSILON)  # fmt: skip
     # The shipped draft's floor on the fixture's prompts at the demo's spec (1 step, topk 1, 2 draft
     # tokens: at most 2; an untrained draft gives about 1.0): measured 1.37 stock and with the map.
     # At 2 steps, topk 2, 4 draft tokens this draft gives 1.76, the previous one 1.53-1.59.

@@ -20,9 +20,13 @@ NEW = 24
 
 
 def assert_plugin_active(server, num_hot: int, tp: int, layout: str = "balanced", exchange: str = "full"):
-    """The plugin installed its hot head on this server: one line from rank 0, with these settings;
-    and every rank decoded under the overlap scheduler, as on a GPU (draft inputs relayed)."""
+    """The plugin installed its hot head on this server: one line from rank 0, with these settings."""
     assert plugin_activity(server.log()) == [(num_hot, tp, layout, exchange)]
+
+
+def assert_decoded_under_overlap(server, tp: int) -> None:
+    """Every rank decoded with the overlap scheduler, as on a GPU: its draft inputs were read back
+    from SGLang's future map (the test servers' default, ``tests/harness/gpu_defaults/overlap.py``)."""
     assert relayed_ranks(server.log()) == set(range(tp))
 
 
@@ -60,6 +64,7 @@ def test_tp2_token_map_follows_pi_with_full_acceptance(perm, start_server, map_n
     server = start_server(perm, 2, perm.token_map(map_name), env=env)
     assert generate_chains(server, getattr(perm, chain)) == [3.0, 3.0, 3.0]  # as at TP=1
     assert_plugin_active(server, num_hot(perm.token_map(map_name)), 2, layout, exchange)
+    assert_decoded_under_overlap(server, 2)
     if map_name == "hot_list":
         assert "repeats 1 id(s)" in server.log()  # one warning for FR-Spec's repeated EOS
 
@@ -116,6 +121,7 @@ def test_tp2_random_weights_match_plain_decoding(start_server):
     plain.stop()
     server = start_server(fixture, 2, fixture.token_map("hot"))
     assert_plugin_active(server, num_hot(fixture.token_map("hot")), 2)
+    assert_decoded_under_overlap(server, 2)
     got = [o["output_ids"] for o in server.generate(prompts, NEW)]
     compare_greedy(fixture.target, prompts, got, expected)
 
@@ -198,6 +204,7 @@ def test_tp2_topk1_with_a_map(perm, start_server, tmp_path):
     server = start_server(sharp, 2, sharp.token_map("hot"), env=env, extra=(*TOPK1, *SEEDED))
     assert generate_chains(server, sharp.chain) == [3.0, 3.0, 3.0]  # 2 steps, every draft accepted
     assert_plugin_active(server, num_hot(sharp.token_map("hot")), 2, "balanced", "topk")
+    assert_decoded_under_overlap(server, 2)
     assert (
         sampled_ops(server, sharp.chain, tmp_path / "shim.log")
         == {"tree_speculative_sampling_target_only"} | RENORMS
@@ -228,6 +235,7 @@ def test_tp2_rejection_sampling_with_a_map(perm, start_server, tmp_path):
     # stock's draft extend after prefill samples its first proposal at T=1 for greedy rows too).
     generate_chains(server, sharp.chain)
     assert_plugin_active(server, num_hot(sharp.token_map("hot")), 2, "balanced", "full")
+    assert_decoded_under_overlap(server, 2)
     warning = "exchange=topk cannot give rejection sampling the draft's whole hot distribution"
     assert server.log().count(warning) == 1
 

@@ -2,8 +2,10 @@
 
 Runs up to three servers one after another on the same model: plain greedy decoding (the
 reference), stock EAGLE without a map (what TP users run today, since a map crashes), and
-EAGLE + token map with this plugin. Prints a few prompts and the text each run generates, whether
-each run's outputs equal plain greedy decoding, the accept length and tokens/s.
+EAGLE + token map with this plugin. Prints a few prompts and the text each run generates, and for
+each run, one request at a time (latency, what speculative decoding is for) and all requests at
+once (throughput, where plain decoding batches well): whether its outputs equal plain greedy
+decoding, the accept length, tokens/s and the ratio to plain decoding.
 
 The default model is Gemma 3 270M (262144-id vocab), a real pretrained model built once from the
 package index into the cache (``sglang_frspec/demo/gemma3.py``), with the EAGLE draft trained for it
@@ -71,6 +73,14 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--requests", type=int, default=8, help="concurrent requests per timed batch")
     p.add_argument(
+        "--one-at-a-time",
+        type=int,
+        default=4,
+        metavar="N",
+        help="also time the first N prompts one request at a time, the latency speculative decoding "
+        "is for (default 4; 0: only the concurrent batch)",
+    )
+    p.add_argument(
         "--max-new-tokens",
         type=int,
         default=48,
@@ -132,13 +142,15 @@ def _workload(args) -> Workload:
     return Workload([{"text": DEMO_PROMPTS[i % len(DEMO_PROMPTS)]} for i in range(args.requests)])
 
 
-def _timed_batch(server: SGLangServer, prompts: list[dict], max_new_tokens: int) -> dict:
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-    server.post("/generate", prompts[0] | {"sampling_params": params | {"max_new_tokens": 4}})  # warm-up
+def _generate(server: SGLangServer, prompts: list[dict], params: dict) -> tuple[list[dict], float]:
+    """One ``/generate`` call for all of ``prompts`` at once: the outputs and the seconds taken."""
     batch = {key: [p[key] for p in prompts] for key in prompts[0]}
     start = time.perf_counter()
     outs = server.post("/generate", batch | {"sampling_params": params})
-    seconds = time.perf_counter() - start
+    return outs, time.perf_counter() - start
+
+
+def _figures(outs: list[dict], seconds: float) -> dict:
     accept = [o["meta_info"].get("spec_accept_length") for o in outs]
     accept = [a for a in accept if a is not None]
     return {
@@ -147,6 +159,18 @@ def _timed_batch(server: SGLangServer, prompts: list[dict], max_new_tokens: int)
         "tokens_per_s": sum(len(o["output_ids"]) for o in outs) / seconds,
         "accept_length": sum(accept) / len(accept) if accept else None,
     }
+
+
+def _measure(server: SGLangServer, prompts: list[dict], max_new_tokens: int, one_at_a_time: int) -> dict:
+    """Every prompt at once (throughput), then the first ``one_at_a_time`` prompts one after another
+    (latency: what speculative decoding is for) under ``"one_at_a_time"``."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+    server.post("/generate", prompts[0] | {"sampling_params": params | {"max_new_tokens": 4}})  # warm-up
+    result = _figures(*_generate(server, prompts, params))
+    if one_at_a_time:
+        single = [_generate(server, [prompt], params) for prompt in prompts[:one_at_a_time]]
+        result["one_at_a_time"] = _figures([o for outs, _ in single for o in outs], sum(s for _, s in single))
+    return result
 
 
 def _spec(args, default_spec: tuple[int, int, int]) -> dict[str, int]:
@@ -190,6 +214,26 @@ def _show_texts(work: Workload, results: dict) -> None:
             print(f"  {name:<28} {'(same as plain greedy)' if same else repr(body)}")
 
 
+def _show_table(results: dict, reference: dict, concurrent: int) -> bool:
+    """Each run in each mode: whether it equals plain greedy decoding in that mode, its accept
+    length, tokens/s and their ratio to plain decoding's. Returns whether every run matched."""
+    modes = [(f"{concurrent} at once", lambda r: r)]
+    if "one_at_a_time" in reference:
+        modes.insert(0, ("one at a time", lambda r: r["one_at_a_time"]))
+    ok = True
+    for title, pick in modes:
+        print(f"\n{title + ':':<30} {'matches greedy':>14} {'accept len':>10} {'tokens/s':>9} {'x plain':>8}")
+        plain = pick(reference)
+        for name, result in results.items():
+            mode = pick(result)
+            same = mode["outputs"] == plain["outputs"]
+            ok &= same
+            accept = "-" if mode["accept_length"] is None else f"{mode['accept_length']:.2f}"
+            tps, ratio = mode["tokens_per_s"], mode["tokens_per_s"] / plain["tokens_per_s"]
+            print(f"  {name:<28} {'yes' if same else 'NO':>14} {accept:>10} {tps:>9.1f} {ratio:>7.2f}x")
+    return ok
+
+
 def run(args: argparse.Namespace, launch: Launch = new_python) -> int:
     """The demo; ``launch`` starts each server's launcher (a new Python, as a user's would be)."""
     try:
@@ -208,7 +252,7 @@ def run(args: argparse.Namespace, launch: Launch = new_python) -> int:
         print(f"[{i}/{len(runs)}] {name}: starting a TP={args.tp} server ...", flush=True)
         log_path = log_dir / f"server{i}.log"
         with SGLangServer(base + extra, _env(args, plugin), log_path, launch=launch) as server:
-            results[name] = _timed_batch(server, work.prompts, args.max_new_tokens)
+            results[name] = _measure(server, work.prompts, args.max_new_tokens, args.one_at_a_time)
             results[name]["plugin"] = plugin_activity(server.log())
     reference = results[runs[0][0]]
     print(f"\nmodel {args.model_path}\ndraft {args.draft_model_path}\ntoken map {args.token_map}")
@@ -219,13 +263,7 @@ def run(args: argparse.Namespace, launch: Launch = new_python) -> int:
     if work.expected is not None:
         ok = reference["outputs"] == work.expected
         print(f"\nplain greedy equals {work.expected_name}: {'yes' if ok else 'NO'}")
-    print(f"\n{'run':<30} {'matches greedy':>14} {'accept len':>10} {'tokens/s':>9}")
-    for name, result in results.items():
-        same = result["outputs"] == reference["outputs"]
-        ok &= same
-        accept = "-" if result["accept_length"] is None else f"{result['accept_length']:.2f}"
-        tps = result["tokens_per_s"]
-        print(f"{name:<30} {'yes' if same else 'NO':>14} {accept:>10} {tps:>9.1f}")
+    ok &= _show_table(results, reference, len(work.prompts))
     print("\nall outputs equal plain greedy decoding" if ok else "\nMISMATCH: see above")
     if args.json:
         payload = {"prompts": work.prompts, "expected": work.expected, "runs": results}
