@@ -82,7 +82,6 @@ def manifest(read: list[Document], train: list[Document], held: list[Document]) 
         for side, docs in (("train", train), ("held_out", held))
         for d in docs
     ]
-    held_hashes = sorted(f["sha256"] for f in files if f["side"] == "held_out")
     return {
         "python": platform.python_version(),
         "distributions": {
@@ -91,7 +90,6 @@ def manifest(read: list[Document], train: list[Document], held: list[Document]) 
         },
         "documents_read": len(read),
         "dropped_duplicates_or_emptied": len(read) - len(train) - len(held),
-        "held_out_digest": hashlib.sha256("\n".join(held_hashes).encode()).hexdigest(),
         "files": files,
     }
 

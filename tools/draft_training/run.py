@@ -14,6 +14,7 @@ and its forward are ``tools/draft_training/model.py``'s, which reproduce SGLang'
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sglang_frspec.demo.texts import content_hash
 from tools.draft_training.model import LayerShape, adam, draft_hidden, draft_layers, grow_draft, init_draft
 
 ROW_CHUNK = 1024  # rows per hot-head matmul in the loss: [1024, H] logits
@@ -46,6 +48,8 @@ def windows(
 ) -> tuple[list[list[int]], list[int]]:
     """``count`` windows of BOS + ``seq`` - 1 tokens, each from a stream drawn by its length, and
     the index of the stream each came from."""
+    if count == 0:
+        return [], []
     long = [i for i, s in enumerate(streams) if len(s) >= seq]
     out, sources = [], []
     for i in rng.choices(long, [len(streams[i]) for i in long], k=count):
@@ -239,7 +243,8 @@ class DraftRun:
     ) -> None:
         """Tokenize ``domains`` and draw the training windows, generation prompts and held-out sets
         (``corpus.pt``; kept if present); ``manifest.json`` holds ``manifest`` (what the domains
-        were made of), the counts and the draw's settings."""
+        were made of), the counts, the draw's settings and a digest of the held-out texts' content
+        hashes (runs with the same one hold out the same text)."""
         if (self.work / "corpus.pt").exists():
             return self.log("corpus: kept")
         from transformers import AutoTokenizer
@@ -252,8 +257,9 @@ class DraftRun:
         for (name, (train, held)), n_text, n_gen in zip(
             domains.items(), split_even(text_seqs, len(domains)), split_even(gen_seqs, len(domains))
         ):
-            train_ids = tok(train, add_special_tokens=False).input_ids
-            held_ids = tok(held, add_special_tokens=False).input_ids
+            train_ids, held_ids = (
+                [] if not t else tok(t, add_special_tokens=False).input_ids for t in (train, held)
+            )
             out["text"] += windows(train_ids, n_text, seq, tok.bos_token_id, rng)[0]
             out["prompts"] += windows(train_ids, n_gen, prompt, tok.bos_token_id, rng)[0]
             out["held"][name], out["held_documents"][f"{name}_text"] = windows(
@@ -272,7 +278,9 @@ class DraftRun:
         out["counts"] = counts
         settings = {"seq": seq, "prompt": prompt, "gen_seqs": gen_seqs, "text_seqs": text_seqs}
         settings |= {"eval_seqs": eval_seqs, "seed": self.seed, "target": self.target.name}
-        record = (manifest or {}) | {"counts": counts, "settings": settings}
+        held_hashes = sorted(content_hash(t) for _, held in domains.values() for t in held)
+        held_digest = hashlib.sha256("\n".join(held_hashes).encode()).hexdigest()
+        record = (manifest or {}) | {"counts": counts, "settings": settings, "held_out_digest": held_digest}
         (self.work / "manifest.json").write_text(json.dumps(record, indent=1) + "\n")
         save_atomic(out, self.work / "corpus.pt")
 
