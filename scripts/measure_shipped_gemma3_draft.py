@@ -11,7 +11,7 @@ de-duplicated, no vendored copies, licenses or this project's description) that 
 did not train on, with every line (30+ characters, normalized) of the old training text removed
 from them. They are not the clean split's held-out sets: most of those were the old split's
 training files (all but 8 of the prose documents), which the shipped draft was trained on. Writes
-the scores with 95% intervals over documents to ``--out``, the sets' manifest to ``--work``.
+the scores with 95% intervals over documents to ``--out``, the sets' manifest beside it.
 
 Run from the repository root: ``PYTHONPATH=. .venv/bin/python scripts/measure_shipped_gemma3_draft.py``
 (resumes from ``--work``).
@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import pydoc_data.topics
+import shutil
 import sys
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, default=cache_root() / "gemma3-draft-measure")
     p.add_argument("--draft", type=Path, default=SHIPPED)
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "gemma3-draft-clean-split.json")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "gemma3-draft-never-trained.json")
     p.add_argument("--eval-seqs", type=int, default=192, help="held-out windows and continuations per domain")
     p.add_argument("--gen-batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
@@ -142,6 +143,8 @@ def main() -> None:
     run.features(topk=16)
     report = run.score(warm_start(args.draft), CHAIN_STEPS)
     shipped = json.loads((args.draft / "training.json").read_text())["data"]["domains"]
+    manifest_copy = args.out.with_name(f"{args.out.stem}-manifest.json")
+    shutil.copyfile(args.work / "manifest.json", manifest_copy)
     report["held_out_sets"] = {
         "rule": "the clean corpus's documents the old split did not train on, less its lines",
         "old_split_training_documents_rebuilt": old_counts,
@@ -151,7 +154,7 @@ def main() -> None:
             len(originals[d.name]) - len(d.text) for d in measured
         ),
         "documents": {d: sum(doc.domain == d for doc in measured) for d in ("code", "prose")},
-        "manifest": str((args.work / "manifest.json").relative_to(args.work.parent)),
+        "manifest": manifest_copy.name,
     }
     report["draft"] = str(args.draft.relative_to(REPO) if args.draft.is_relative_to(REPO) else args.draft)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
