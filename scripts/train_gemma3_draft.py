@@ -74,7 +74,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens of a generated sequence")
     p.add_argument("--gen-seqs", type=int, default=1024, help="prompts the target continues")
     p.add_argument("--text-seqs", type=int, default=5632, help="teacher-forced windows of text")
-    p.add_argument("--eval-seqs", type=int, default=32, help="held-out windows and continuations per domain")
+    p.add_argument(
+        "--eval-seqs",
+        type=int,
+        default=384,
+        help="held-out windows and continuations per domain (+-1.5 points)",
+    )
     p.add_argument("--gen-batch", type=int, default=128)
     p.add_argument("--topk", type=int, default=16, help="target probabilities kept per position")
     p.add_argument("--inter", type=int, default=2048, help="the draft's MLP width")
