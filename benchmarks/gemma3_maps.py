@@ -2,7 +2,7 @@
 
 Two sources, both through the real command line (``sglang-frspec build-map``):
 - ``text``: counts of the project's training text (``sglang_frspec.demo.texts.stdlib_texts``: the
-  training code files and the first half of the prose topics) with the target's tokenizer
+  training code files and training prose topics, split by content) with the target's tokenizer
   (``--corpus ... --save-counts``); the other sizes are ranked from those counts (``--from-counts``);
 - ``server``: ``--from-server`` against a plain TP=1 CPU SGLang server of the target (greedy), on
   short prompts cut from the same training text.

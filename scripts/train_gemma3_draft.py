@@ -6,25 +6,30 @@ checkpoint), so a run stopped anywhere goes on where it stopped when started aga
 arguments. ``--stage`` runs one stage; ``--serve`` measures the served accept lengths of ``--out``.
 
 The draft is SGLang's ``LlamaForCausalLMEagle`` (the class SGLang 0.5.23 serves with a Gemma 3
-target), trained on what SGLang's draft forward computes (``tests/harness/eagle_draft.py`` says
+target), trained on what SGLang's draft forward computes (``tools/draft_training/model.py`` says
 where, with file:line): Gemma's unscaled embedding table as its embedding, the target's final normed
 hidden states as its features, and the target's tied head restricted to the hot ids of the served
 map (FR-Spec applies to training too: the loss needs only the hot head's rows).
 
-Stages (``tests/harness/draft_data.py`` holds the model-independent parts):
-- ``corpus``: offline text in domains (code: the standard library's training files and installed
-  packages' sources; prose: the first half of ``pydoc_data.topics`` and installed packages' docs and
-  package descriptions), each file held out by a hash of its name (1 in 8), tokenized into
-  training windows, generation prompts and held-out sets. Every random choice is seeded.
+Stages (``tools/draft_training/run.py`` holds the model-independent parts):
+- ``corpus``: offline text in domains (``tools/draft_training/corpus.py``; code: the standard
+  library's modules and installed packages' sources; prose: ``pydoc_data.topics`` and installed
+  packages' docs and package descriptions), each document held out by a hash of its normalized
+  content (1 in 8; duplicates once, no held-out line in training), tokenized into training windows,
+  generation prompts and held-out sets; ``manifest.json`` lists every document with its side.
+  Every random choice is seeded.
 - ``generate``: the target's own greedy continuations of the prompts (self-distillation: at serving
-  time the draft predicts exactly these), bfloat16 with a KV cache, in resumable shards.
+  time the draft predicts exactly these), with a KV cache, in resumable shards: bfloat16 for
+  training, float32 as served for the held-out prompts.
 - ``features``: the target's final normed hidden states of every sequence and its top-k
   next-token distribution over the hot head (the loss's labels), in resumable shards: a bfloat16
   forward for the training sequences (twice float32's speed here; the features' noise in training
   is far wider than bfloat16's rounding), float32 as served for the held-out sets.
 - ``train``: AdamW over the draft, checkpointed every ``--save-every`` steps (resumes).
-- ``evaluate``: held-out first-step top-1 agreement and offline chain accept lengths per domain;
-  writes the package folder (bf16 safetensors, config, ``training.json``).
+- ``evaluate``: held-out first-step top-1 agreement and offline chain accept lengths per domain,
+  against the float32 target, with 95% intervals; writes the package folder (bf16 safetensors,
+  config, ``training.json`` with the manifest's Python and held-out digest; the whole manifest
+  stays in ``--work``: commit it under ``docs/results/`` with the draft).
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ sys.path.insert(0, str(REPO))
 
 from sglang_frspec.demo.fixtures import cache_root  # noqa: E402
 from sglang_frspec.demo.gemma3 import gemma3_fixture  # noqa: E402
-from tests.harness import draft_data  # noqa: E402
-from tests.harness.eagle_draft import LayerShape, save_eagle_draft  # noqa: E402
+from tools.draft_training import run as draft_run  # noqa: E402
+from tools.draft_training.corpus import gemma3_corpus  # noqa: E402
+from tools.draft_training.model import LayerShape, save_eagle_draft  # noqa: E402
 
 OUT = REPO / "sglang_frspec" / "demo" / "gemma3_draft"
 HOT = 32768  # the demo's map: the draft's loss is over these rows
@@ -68,7 +74,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens of a generated sequence")
     p.add_argument("--gen-seqs", type=int, default=1024, help="prompts the target continues")
     p.add_argument("--text-seqs", type=int, default=5632, help="teacher-forced windows of text")
-    p.add_argument("--eval-seqs", type=int, default=32, help="held-out windows and continuations per domain")
+    p.add_argument(
+        "--eval-seqs",
+        type=int,
+        default=384,
+        help="held-out windows and continuations per domain (+-1.5 points)",
+    )
     p.add_argument("--gen-batch", type=int, default=128)
     p.add_argument("--topk", type=int, default=16, help="target probabilities kept per position")
     p.add_argument("--inter", type=int, default=2048, help="the draft's MLP width")
@@ -108,25 +119,27 @@ def main() -> None:
     target = Path(fixture.target)
     cfg = json.loads((target / "config.json").read_text())
     shape = LayerShape(cfg["hidden_size"], 4, 2, 128, args.inter, rope_theta=10000.0, eps=cfg["rms_norm_eps"])
-    run = draft_data.DraftRun(
+    run = draft_run.DraftRun(
         work=args.work,
         target=target,
         token_map=Path(fixture.token_map(HOT)),
         shape=shape,
         seed=args.seed,
-        log=draft_data.stderr_log(),
+        log=draft_run.stderr_log(),
         checkpoint=args.checkpoint,
         more_data=tuple(args.more_data),
     )
     stages = [args.stage] if args.stage else STAGES
     if "corpus" in stages:
+        domains, manifest = gemma3_corpus()
         run.corpus(
-            draft_data.gemma3_domains(),
+            domains,
             seq=args.seq,
             prompt=args.prompt,
             gen_seqs=args.gen_seqs,
             text_seqs=args.text_seqs,
             eval_seqs=args.eval_seqs,
+            manifest=manifest,
         )
     if "generate" in stages:
         run.generate(batch=args.gen_batch)
@@ -153,6 +166,8 @@ def main() -> None:
             "target": "Gemma 3 270M (sglang_frspec/demo/gemma3.py, float32)",
         }
         save_eagle_draft(args.out, run.trained_draft(), cfg, shape)
+        manifest = json.loads((args.work / "manifest.json").read_text())
+        report["manifest"] = {k: manifest[k] for k in ("python", "documents_read", "held_out_digest")}
         (args.out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
         run.log(f"wrote {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out.name}")
 

@@ -1,6 +1,6 @@
 """The plain-torch EAGLE draft the drafts are trained with, and the shipped Gemma 3 draft's files.
 
-The draft forward of ``tests/harness/eagle_draft.py`` must compute what SGLang's
+The draft forward of ``tools/draft_training/model.py`` must compute what SGLang's
 ``LlamaForCausalLMEagle`` computes, or served acceptance falls below offline agreement. It is
 compared with Transformers' Llama layer (the conventions SGLang's Llama loads checkpoints by:
 neox rotary, GQA, an explicit ``head_dim``), with the first layer's input norm and the model's
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness.eagle_draft import LayerShape, draft_hidden, init_draft, save_eagle_draft
+from tools.draft_training.model import LayerShape, draft_hidden, init_draft, save_eagle_draft
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "sglang_frspec" / "demo" / "gemma3_draft"
@@ -84,20 +84,28 @@ def test_shipped_gemma3_draft_is_small_complete_and_servable_at_tp2():
 
 
 def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tmp_path, request):
-    """Every stage of the shipped draft's pipeline (``tests/harness/draft_data.py``) on the small
+    """Every stage of the shipped draft's pipeline (``tools/draft_training/run.py``) on the small
     permutation fixture, whose target continues any hot id x with pi(x): the trained draft agrees
     with the target on held-out continuations where the untrained one does not, the offline chain
     then accepts every draft, and a run stopped half-way and resumed ends at the same draft, bit
     for bit, as a run that never stopped."""
     from sglang_frspec.demo.fixtures import perm_fixture
-    from tests.harness.draft_data import DraftRun
+    from tools.draft_training.run import DraftRun
 
     fixture = perm_fixture(vocab_size=512, hidden_size=64, num_hot=64)
     threads = torch.get_num_threads()
     request.addfinalizer(lambda: torch.set_num_threads(threads))
     torch.set_num_threads(1)  # a model this small: one thread is fastest (two crawl on a loaded machine)
     chain = " ".join(f"w{i}" for i in fixture.chain)  # stays inside the hot set
-    domains = {"chain": ([chain] * 4, [chain])}
+
+    # Held out: the chain's words in a seeded random order, a text never trained on. The target
+    # continues each word x with pi(x), so a held-out continuation is 7 scored positions of that
+    # text (a draft trained on the chain alone need not get them) and 16 that follow the chain.
+    order = torch.randint(len(fixture.chain), (256,), generator=torch.Generator().manual_seed(0))
+    words = [f"w{fixture.chain[i]}" for i in order.tolist()]
+    four_word_runs = [f" {' '.join(words[i : i + 4])} " for i in range(len(words) - 3)]
+    assert not [r for r in four_word_runs if r in f" {chain} "]  # never trained on
+    domains = {"chain": ([chain], [" ".join(words)])}
     shape = LayerShape(64, 2, 2, 32, 128)
 
     def run(work: Path, checkpoint: str = "checkpoint.pt", **more) -> DraftRun:
@@ -120,8 +128,8 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
 
     agree = after["held_out_top1_agreement"]["chain_generated"]["agreement"]
     assert before["held_out_top1_agreement"]["chain_generated"]["agreement"] < 0.3
-    assert agree > 0.95
-    assert after["offline_chain"]["chain_generated"]["tokens_per_verify"] > 3.5  # 4 at most
+    assert agree > 15 / 23  # the 16 positions that follow the chain, about
+    assert after["offline_chain"]["chain_generated"]["tokens_per_verify"] > 3.5  # 4 at most, after the prompt
     assert after["data"]["steps"] == 24  # 2 epochs of 48 sequences in batches of 4
     # Both halves of the training data took part: 24 windows of text, 24 continuations.
     assert after["data"]["text_windows"] == 24 and after["data"]["generated_sequences"] == 24
@@ -187,7 +195,7 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
 
 
 def test_hot_head_loss_and_gradient_equal_autograd_over_the_full_softmax():
-    from tests.harness.draft_data import ROW_CHUNK, sparse_head_loss
+    from tools.draft_training.run import ROW_CHUNK, sparse_head_loss
 
     gen = torch.Generator().manual_seed(0)
     rows, hidden, hot, k = ROW_CHUNK + 300, 64, 3000, 4  # two chunks, the second partial

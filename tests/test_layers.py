@@ -9,7 +9,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sglang_frspec"
 # Imports each layer may not make (prefixes of absolute module names), besides the repository's
-# tests (the harness included) and benchmarks, which no module of the package may import.
+# tests (the harness included), benchmarks and tools, which no module of the package may import.
 FORBIDDEN = {
     # The pure core: torch and the standard library (and, on CUDA, its kernel); never SGLang nor
     # anything above it.
@@ -27,7 +27,7 @@ FORBIDDEN = {
     "demo": ("sglang_frspec.adapters", "sglang_frspec.cli", "sglang_frspec.plugin"),
     "cli": (),
 }  # fmt: skip
-NEVER_IMPORTED = ("tests", "benchmarks")
+NEVER_IMPORTED = ("tests", "benchmarks", "tools")
 
 
 def _imports(path: Path, root: Path = PACKAGE.parent) -> list[tuple[int, str]]:
@@ -60,6 +60,18 @@ def test_each_layer_imports_only_what_is_below_it(layer):
         if any(module == f or module.startswith(f"{f}.") for f in FORBIDDEN[layer] + NEVER_IMPORTED)
     ]
     assert broken == []
+
+
+def test_tools_never_import_tests():
+    """``tools/`` (the draft trainer) is imported by tests, never the other way round."""
+    tools = PACKAGE.parent / "tools"
+    broken = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
+        for path in sorted(tools.rglob("*.py"))
+        for line, module in _imports(path)
+        if module == "tests" or module.startswith("tests.")
+    ]
+    assert sorted(tools.rglob("*.py")) and broken == []
 
 
 def test_no_module_imports_the_package_face():

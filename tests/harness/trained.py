@@ -1,9 +1,9 @@
 """A small Llama target and EAGLE draft trained on real text, for acceptance that means something.
 
-The text is what every CPython install has: the standard library's top-level modules (code, in
-sorted file order) and ``pydoc_data.topics`` (the language reference's prose). Code files with
-index % 8 == 7 are held out; the prose topics, sorted by name, are split in half: the first half
-builds the ``prose`` map, the second gives out-of-domain prompts. Everything is trained on CPU in
+The text is what every CPython install has: the standard library's top-level modules (code) and
+``pydoc_data.topics`` (the language reference's prose), split by ``sglang_frspec.demo.texts`` (1 in
+8 documents held out by a hash of its content; no held-out line in training): training topics
+build the ``prose`` map, held-out ones give out-of-domain prompts. Everything is trained on CPU in
 float32 with fixed seeds and cached under a hash of the text and of this builder's source.
 
 Built here:
@@ -13,7 +13,7 @@ Built here:
 - an EAGLE draft (``LlamaForCausalLMEagle``, the target's embedding and head) trained on the
   target's final hidden states: regression on the next hidden state plus cross-entropy with the
   target's next-token distribution, EAGLE-1's objective, with one unrolled step on its own output;
-- maps of ``MAP_SIZES`` from the training code (``code_<n>``), and ``prose_<n>`` from held-out prose.
+- maps of ``MAP_SIZES`` from the training code (``code_<n>``), and ``prose_<n>`` from training prose.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from sglang_frspec.demo.fixtures import (
     source_digest,
 )
 from sglang_frspec.demo.texts import stdlib_texts, text_digest
-from tests.harness.eagle_draft import (
+from tools.draft_training.model import (
     LayerShape,
     draft_loss,
     first_step_agreement,
@@ -60,7 +60,7 @@ PROSE_MAP_SIZE = 128
 PROMPT_TOKENS = 32  # prompts are this many tokens of held-out text
 
 BUILDER_DIGEST = source_digest(
-    __name__, "tests.harness.eagle_draft", "sglang_frspec.demo.fixtures", "sglang_frspec.demo.texts"
+    __name__, "tools.draft_training.model", "sglang_frspec.demo.fixtures", "sglang_frspec.demo.texts"
 )
 
 

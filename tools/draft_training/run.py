@@ -2,21 +2,23 @@
 
 ``DraftRun`` keeps every stage's output under one work folder, in shards a later run skips, so a
 stopped run resumes where it stopped: ``corpus`` (token windows, prompts and held-out sets of seeded
-draws), ``generate`` (the target's greedy continuations of the prompts, bfloat16 with a KV cache),
-``features`` (the target's final normed hidden states and its top-k next-token probabilities
-over the hot head: bfloat16 for training, float32 for the held-out sets), ``train`` (AdamW,
-checkpointed) and ``evaluate`` (held-out first-step agreement and offline chain accept lengths).
-The draft model and its forward are ``tests/harness/eagle_draft.py``'s, which reproduce SGLang's
+draws, and ``manifest.json``), ``generate`` (the target's greedy continuations of the prompts
+with a KV cache: bfloat16 for training, float32 as served for the held-out prompts), ``features``
+(the target's final normed hidden states and its top-k next-token probabilities over the hot head:
+bfloat16 for training, float32 for the held-out sets), ``train`` (AdamW, checkpointed) and
+``evaluate`` (held-out first-step agreement and offline chain accept lengths against the float32
+target's argmax, with 95% intervals from a bootstrap over the held-out documents). The draft model
+and its forward are ``tools/draft_training/model.py``'s, which reproduce SGLang's
 ``LlamaForCausalLMEagle``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 import sys
-import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,11 +27,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tests.harness.eagle_draft import LayerShape, adam, draft_hidden, draft_layers, grow_draft, init_draft
+from sglang_frspec.demo.texts import content_hash
+from tools.draft_training.model import LayerShape, adam, draft_hidden, draft_layers, grow_draft, init_draft
 
-HELD_OUT_EVERY = 8  # a file is held out when its name's hash is 7 mod 8
 ROW_CHUNK = 1024  # rows per hot-head matmul in the loss: [1024, H] logits
-MAX_FILE_CHARS = 200_000  # longer package files are mostly generated tables
+BOOTSTRAP_DRAWS = 2000  # resamples of documents for a 95% interval
 
 
 def stderr_log() -> Callable[[str], None]:
@@ -41,55 +43,32 @@ def stderr_log() -> Callable[[str], None]:
     return log
 
 
-def held_out(name: str) -> bool:
-    """Whether a file (by its name relative to its root) is held out: 1 in ``HELD_OUT_EVERY``."""
-    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
+def windows(
+    streams: list[list[int]], count: int, seq: int, bos: int, rng: random.Random
+) -> tuple[list[list[int]], list[int]]:
+    """``count`` windows of BOS + ``seq`` - 1 tokens, each from a stream drawn by its length, and
+    the index of the stream each came from."""
+    if count == 0:
+        return [], []
+    long = [i for i, s in enumerate(streams) if len(s) >= seq]
+    out, sources = [], []
+    for i in rng.choices(long, [len(streams[i]) for i in long], k=count):
+        start = rng.randrange(len(streams[i]) - seq + 2)
+        out.append([bos, *streams[i][start : start + seq - 1]])
+        sources.append(i)
+    return out, sources
 
 
-def package_texts(suffixes: tuple[str, ...], chars: int) -> tuple[list[str], list[str]]:
-    """(training, held-out) texts of installed packages' files with these suffixes, in hash order
-    until about ``chars`` characters: the same files wherever the same versions are installed."""
-    root = Path(sysconfig.get_paths()["purelib"])
-    files = [p for p in root.glob("**/*") if p.suffix in suffixes or p.name in suffixes]
-    files.sort(key=lambda p: hashlib.sha256(str(p.relative_to(root)).encode()).hexdigest())
-    train: list[str] = []
-    held: list[str] = []
-    total = 0
-    for path in files:
-        if total >= chars:
-            break
-        if path.stat().st_size > MAX_FILE_CHARS:
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        (held if held_out(str(path.relative_to(root))) else train).append(text)
-        total += len(text)
-    return train, held
-
-
-def gemma3_domains() -> dict[str, tuple[list[str], list[str]]]:
-    """Offline text by domain, (training, held-out) each. Code: the standard library's modules (the
-    split of ``sglang_frspec/demo/texts.py``) and installed packages' sources; prose: the language
-    reference's topics (that split) and installed packages' docs and package descriptions."""
-    from sglang_frspec.demo.texts import stdlib_texts
-
-    code, held_code, topics, held_topics = stdlib_texts()
-    pkg_code, pkg_held_code = package_texts((".py",), 8_000_000)
-    docs, held_docs = package_texts((".md", ".rst", "METADATA"), 4_000_000)
-    return {
-        "code": (code + pkg_code, held_code + pkg_held_code),
-        "prose": (topics + docs, held_topics + held_docs),
-    }
-
-
-def windows(streams: list[list[int]], count: int, seq: int, bos: int, rng: random.Random) -> list[list[int]]:
-    """``count`` windows of BOS + ``seq`` - 1 tokens, each from a stream drawn by its length."""
-    streams = [s for s in streams if len(s) >= seq]
-    weights = [len(s) for s in streams]
-    out = []
-    for s in rng.choices(streams, weights, k=count):
-        start = rng.randrange(len(s) - seq + 2)
-        out.append([bos, *s[start : start + seq - 1]])
-    return out
+def bootstrap_interval(hits: torch.Tensor, totals: torch.Tensor, clusters: torch.Tensor) -> list[float]:
+    """95% interval of ``hits.sum() / totals.sum()`` (one entry per sequence) by resampling the
+    ``clusters`` (the document each sequence came from) with replacement, seeded."""
+    ids, cluster = clusters.unique(return_inverse=True)
+    hit = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, cluster, hits.double())
+    total = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, cluster, totals.double())
+    draws = torch.randint(len(ids), (BOOTSTRAP_DRAWS, len(ids)), generator=torch.Generator().manual_seed(0))
+    ratios = hit[draws].sum(1) / total[draws].sum(1)
+    ratios = ratios.quantile(torch.tensor([0.025, 0.975], dtype=torch.float64))
+    return [round(float(r), 4) for r in ratios]
 
 
 def split_even(total: int, parts: int) -> list[int]:
@@ -120,13 +99,13 @@ def greedy_continuations(model, prompts: torch.Tensor, new: int, suppress: list[
 def target_features(
     model, ids: torch.Tensor, head: torch.Tensor, topk: int, argmax: bool = False
 ) -> dict[str, torch.Tensor]:
-    """The target's final normed hidden states at ``ids [B, S]`` (float16) and its top-k
-    probabilities over ``head``'s rows (positions into the hot head); with ``argmax``, its greedy
-    token over the full vocabulary too."""
+    """The target's final normed hidden states at ``ids [B, S]`` and its top-k probabilities over
+    ``head``'s rows (positions into the hot head), stored in float16 for training; with ``argmax``
+    (a held-out set), the states as computed and the greedy token over the full vocabulary too."""
     feats = model.model(input_ids=ids).last_hidden_state
-    assert feats.abs().max() < 6e4, "features overflow float16"
+    assert argmax or feats.abs().max() < 6e4, "features overflow float16"
     probs, top = (feats @ head.T).float().softmax(-1).topk(topk, -1)
-    out = {"feats": feats.half(), "top": top.int(), "probs": probs.half()}
+    out = {"feats": feats if argmax else feats.half(), "top": top.int(), "probs": probs.half()}
     if argmax:
         full = model.get_output_embeddings().weight
         out["argmax"] = torch.stack([(f @ full.T).argmax(-1) for f in feats])
@@ -260,9 +239,12 @@ class DraftRun:
         gen_seqs: int,
         text_seqs: int,
         eval_seqs: int,
+        manifest: dict | None = None,
     ) -> None:
         """Tokenize ``domains`` and draw the training windows, generation prompts and held-out sets
-        (``corpus.pt``; kept if present)."""
+        (``corpus.pt``; kept if present); ``manifest.json`` holds ``manifest`` (what the domains
+        were made of), the counts, the draw's settings and a digest of the held-out texts' content
+        hashes (runs with the same one hold out the same text)."""
         if (self.work / "corpus.pt").exists():
             return self.log("corpus: kept")
         from transformers import AutoTokenizer
@@ -270,18 +252,22 @@ class DraftRun:
         tok = AutoTokenizer.from_pretrained(self.target)
         rng = random.Random(self.seed)
         out: dict = {"seq": seq, "prompt": prompt, "text": [], "prompts": [], "held": {}, "held_prompts": {}}
+        out["held_documents"] = {}
         counts = {}
         for (name, (train, held)), n_text, n_gen in zip(
             domains.items(), split_even(text_seqs, len(domains)), split_even(gen_seqs, len(domains))
         ):
-            train_ids = tok(train, add_special_tokens=False).input_ids
-            held_ids = tok(held, add_special_tokens=False).input_ids
-            out["text"] += windows(train_ids, n_text, seq, tok.bos_token_id, rng)
-            out["prompts"] += [w[:prompt] for w in windows(train_ids, n_gen, prompt, tok.bos_token_id, rng)]
-            out["held"][name] = windows(held_ids, eval_seqs, seq, tok.bos_token_id, rng)
-            out["held_prompts"][name] = [
-                w[:prompt] for w in windows(held_ids, eval_seqs, prompt, tok.bos_token_id, rng)
-            ]
+            train_ids, held_ids = (
+                [] if not t else tok(t, add_special_tokens=False).input_ids for t in (train, held)
+            )
+            out["text"] += windows(train_ids, n_text, seq, tok.bos_token_id, rng)[0]
+            out["prompts"] += windows(train_ids, n_gen, prompt, tok.bos_token_id, rng)[0]
+            out["held"][name], out["held_documents"][f"{name}_text"] = windows(
+                held_ids, eval_seqs, seq, tok.bos_token_id, rng
+            )
+            out["held_prompts"][name], out["held_documents"][f"{name}_generated"] = windows(
+                held_ids, eval_seqs, prompt, tok.bos_token_id, rng
+            )
             counts[name] = {
                 "train_files": len(train),
                 "held_out_files": len(held),
@@ -290,23 +276,23 @@ class DraftRun:
             }
             self.log(f"corpus {name}: {counts[name]}")
         out["counts"] = counts
+        settings = {"seq": seq, "prompt": prompt, "gen_seqs": gen_seqs, "text_seqs": text_seqs}
+        settings |= {"eval_seqs": eval_seqs, "seed": self.seed, "target": self.target.name}
+        held_hashes = sorted(content_hash(t) for _, held in domains.values() for t in held)
+        held_digest = hashlib.sha256("\n".join(held_hashes).encode()).hexdigest()
+        record = (manifest or {}) | {"counts": counts, "settings": settings, "held_out_digest": held_digest}
+        (self.work / "manifest.json").write_text(json.dumps(record, indent=1) + "\n")
         save_atomic(out, self.work / "corpus.pt")
 
-    @staticmethod
-    def _all_prompts(corpus: dict) -> list[list[int]]:
-        return corpus["prompts"] + [p for ps in corpus["held_prompts"].values() for p in ps]
-
-    def generate(self, batch: int) -> None:
-        """The target's bfloat16 greedy continuations of every prompt (training, then held-out),
-        up to ``seq`` tokens, in shards of ``batch`` (``gen/``; present shards are skipped)."""
-        corpus = self._corpus
-        prompts = self._all_prompts(corpus)
-        folder = self.work / "gen"
+    def _continue(self, prompts: list[list[int]], folder: Path, dtype: torch.dtype, batch: int) -> None:
+        """The target's greedy continuations (``dtype``) of ``prompts`` up to ``seq`` tokens, in
+        shards of ``batch`` under ``folder`` (present shards are skipped)."""
         folder.mkdir(exist_ok=True)
         todo = [i for i in range(0, len(prompts), batch) if not (folder / f"{i:06d}.pt").exists()]
         if not todo:
-            return self.log("generate: kept")
-        model = self._model(torch.bfloat16)
+            return self.log(f"generate {folder.name}: kept")
+        corpus = self._corpus
+        model = self._model(dtype)
         eos = (
             [model.config.eos_token_id]
             if isinstance(model.config.eos_token_id, int)
@@ -320,20 +306,32 @@ class DraftRun:
             save_atomic(seqs, folder / f"{i:06d}.pt")
             made = rows.shape[0] * (corpus["seq"] - corpus["prompt"])
             rate = made / (time.monotonic() - started)
-            self.log(f"generate {i + rows.shape[0]}/{len(prompts)}: {rate:.0f} tok/s")
+            self.log(f"generate {folder.name} {i + rows.shape[0]}/{len(prompts)}: {rate:.0f} tok/s")
+
+    def generate(self, batch: int) -> None:
+        """The target's greedy continuations of the training prompts in bfloat16 (``gen/``), then of
+        the held-out prompts in float32 as served (``held_gen/``), in resumable shards of ``batch``."""
+        corpus = self._corpus
+        self._continue(corpus["prompts"], self.work / "gen", torch.bfloat16, batch)
+        held = [p for ps in corpus["held_prompts"].values() for p in ps]
+        self._continue(held, self.work / "held_gen", torch.float32, batch)
 
     def _sequences(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Training sequences (windows then continuations) and held-out sets by name."""
         corpus = self._corpus
-        gens = torch.cat([torch.load(p) for p in sorted((self.work / "gen").glob("*.pt"))])
-        assert gens.shape[0] == len(self._all_prompts(corpus)), "generate is not finished"
-        n_train = len(corpus["prompts"])
+        gens, held_gens = (
+            torch.cat([torch.load(p) for p in sorted((self.work / f).glob("*.pt"))] or [torch.zeros(0, 0)])
+            for f in ("gen", "held_gen")
+        )
+        held_prompts = sum(map(len, corpus["held_prompts"].values()))
+        finished = gens.shape[0] == len(corpus["prompts"]) and held_gens.shape[0] == held_prompts
+        assert finished, "generate is not finished"
         text = torch.tensor(corpus["text"], dtype=torch.long).reshape(-1, corpus["seq"])  # none: [0, seq]
-        train = torch.cat([text, gens[:n_train]])
+        train = torch.cat([text, gens.long().reshape(-1, corpus["seq"])])
         held = {f"{name}_text": torch.tensor(w) for name, w in corpus["held"].items()}
-        start = n_train
+        start = 0
         for name, prompts in corpus["held_prompts"].items():
-            held[f"{name}_generated"] = gens[start : start + len(prompts)]
+            held[f"{name}_generated"] = held_gens[start : start + len(prompts)]
             start += len(prompts)
         return train, held
 
@@ -343,7 +341,7 @@ class DraftRun:
     def features(self, topk: int, shard: int = 32, dtype: torch.dtype = torch.bfloat16) -> None:
         """The target's features and top-k over the hot head of every training sequence, its forward
         in ``dtype`` (``feat/``, in shards of ``shard``), and of every held-out set with its full
-        argmax, in float32 as served (``held.pt``)."""
+        argmax, in float32 as served (``held.pt``, in pieces of ``shard``)."""
         train, held = self._sequences()
         folder = self.work / "feat"
         folder.mkdir(exist_ok=True)
@@ -352,10 +350,14 @@ class DraftRun:
         if not (self.work / "held.pt").exists():
             model = self._model(torch.float32)
             head = model.get_output_embeddings().weight[self.hot()]
-            sets = {
-                name: {"ids": ids} | target_features(model, ids, head, topk, argmax=True)
-                for name, ids in held.items()
-            }
+            sets = {}
+            for name, ids in held.items():
+                pieces = [
+                    target_features(model, ids[i : i + shard], head, topk, argmax=True)
+                    for i in range(0, ids.shape[0], shard)
+                ]
+                sets[name] = {"ids": ids} | {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
+                self.log(f"features {name}: {ids.shape[0]} held-out sequences")
             save_atomic(sets, self.work / "held.pt")
         if not todo:
             return self.log("features: kept")
@@ -456,42 +458,55 @@ class DraftRun:
         return {k: v.to(torch.bfloat16) for k, v in torch.load(self.work / self.checkpoint)["draft"].items()}
 
     @torch.no_grad()
-    def evaluate(self, steps: int) -> dict:
+    def score(self, weights: dict[str, torch.Tensor], steps: int) -> dict:
         """Held-out first-step top-1 agreement (the draft's argmax over the hot head against the
-        target's over the full vocabulary) per set, and offline chain accept lengths (``steps``
-        steps, top-k 1) on the held-out continuations."""
-        state = torch.load(self.work / self.checkpoint)
-        draft = {k: v.to(torch.bfloat16).float() for k, v in state["draft"].items()}  # as served
+        float32 target's over the full vocabulary) per set, and offline chain accept lengths
+        (``steps`` steps, top-k 1) on the held-out continuations, each with its 95% interval
+        over the held-out documents the sequences came from."""
+        draft = {k: v.to(torch.bfloat16).float() for k, v in weights.items()}  # as served
         embed, head = self._tables()
         hot = self.hot()
         held = torch.load(self.work / "held.pt")
         corpus = self._corpus
-        corpora = [corpus] + [torch.load(w / "corpus.pt") for w in self.more_data]
+        prompt = corpus["prompt"]
         report: dict = {"held_out_top1_agreement": {}, "offline_chain": {}}
         for name, s in held.items():
+            documents = torch.tensor(corpus["held_documents"][name])
             out = draft_hidden(draft, embed, s["ids"][:, 1:], s["feats"][:, :-1].float(), self.shape)
-            drafted = hot[(out @ head.T).argmax(-1)]
-            agree = (drafted == s["argmax"][:, 1:]).float()
+            agree = hot[(out @ head.T).argmax(-1)] == s["argmax"][:, 1:]
+            hits, totals = agree.sum(1), torch.full((agree.shape[0],), agree.shape[1])
             report["held_out_top1_agreement"][name] = {
-                "agreement": round(float(agree.mean()), 4),
+                "agreement": round(float(agree.float().mean()), 4),
+                "ci95": bootstrap_interval(hits, totals, documents),
                 "positions": agree.numel(),
+                "sequences": agree.shape[0],
+                "documents": len(documents.unique()),
             }
             self.log(f"agreement {name}: {report['held_out_top1_agreement'][name]}")
             if name.endswith("_generated"):
-                prompt = corpus["prompt"]
+                greedy = s["argmax"][:, prompt - 1 : -1]  # the float32 target's tokens after the prompt
                 counts = [
-                    c
-                    for ids, feats in zip(s["ids"], s["feats"])
-                    for c in chain_accept(
-                        draft, embed, head, hot, self.shape, ids.tolist(), prompt, feats, steps
-                    )
+                    chain_accept(draft, embed, head, hot, self.shape, i.tolist(), prompt, f, steps, g)
+                    for i, f, g in zip(s["ids"], s["feats"], greedy.tolist())
                 ]
+                committed = torch.tensor([sum(c) for c in counts])
+                verifies = torch.tensor([len(c) for c in counts])
                 report["offline_chain"][name] = {
-                    "tokens_per_verify": round(sum(counts) / len(counts), 4),
-                    "verifies": len(counts),
+                    "tokens_per_verify": round(float(committed.sum() / verifies.sum()), 4),
+                    "ci95": bootstrap_interval(committed, verifies, documents),
+                    "verifies": int(verifies.sum()),
                     "sequences": len(s["ids"]),
+                    "continuation_tokens_not_the_argmax": int((s["ids"][:, prompt:] != greedy).sum()),
                 }
                 self.log(f"chain {name}: {report['offline_chain'][name]}")
+        return report
+
+    def evaluate(self, steps: int) -> dict:
+        """``score`` of the trained draft, with its data, losses and shape."""
+        state = torch.load(self.work / self.checkpoint)
+        report = self.score(state["draft"], steps)
+        corpus = self._corpus
+        corpora = [corpus] + [torch.load(w / "corpus.pt") for w in self.more_data]
         windows = sum(len(c["text"]) for c in corpora)
         generated = sum(len(c["prompts"]) for c in corpora)
         report["data"] = {
@@ -510,22 +525,24 @@ class DraftRun:
         ]
         report["draft"] = {
             "class": "LlamaForCausalLMEagle",
-            "parameters": sum(v.numel() for v in draft.values()),
-            "layers": draft_layers(draft),
+            "parameters": sum(v.numel() for v in state["draft"].values()),
+            "layers": draft_layers(state["draft"]),
         }
         report["draft"] |= {
             k: getattr(self.shape, k) for k in ("hidden", "heads", "kv_heads", "head_dim", "inter")
         }
-        report["hot_head"] = len(hot)
+        report["hot_head"] = len(self.hot())
         return report
 
 
-def chain_accept(draft, embed, head, hot, shape, ids: list[int], prompt: int, feats, steps: int) -> list[int]:
+def chain_accept(
+    draft, embed, head, hot, shape, ids: list[int], prompt: int, feats, steps: int, greedy: list[int]
+) -> list[int]:
     """Offline EAGLE chain (top-k 1) over one greedy continuation ``ids`` (its first ``prompt``
-    tokens the prompt): per verify, the tokens it commits (longest matching draft prefix + the
-    bonus). The draft reads the target's features ``feats`` up to the verified prefix and its own
-    for later steps, as SGLang runs it; ids are drafted over the hot head."""
-    greedy = ids[prompt:]
+    tokens the prompt) whose tokens the target commits are ``greedy`` (its argmax after each of
+    ``ids[prompt - 1 : -1]``): per verify, the tokens it commits (longest matching draft prefix +
+    the bonus). The draft reads the target's features ``feats`` up to the verified prefix and its
+    own for later steps, as SGLang runs it; ids are drafted over the hot head."""
     done, counts = 1, []  # the prefill gave greedy[0]
     while done < len(greedy):
         t = prompt + done - 1  # the last verified token's position

@@ -1,0 +1,1 @@
+"""The project's tools that are neither shipped nor tests (run from the repository root)."""

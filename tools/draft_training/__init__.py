@@ -1,0 +1,1 @@
+"""Training and measuring EAGLE drafts on CPU: the draft model, its corpus and the resumable run."""
