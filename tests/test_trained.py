@@ -57,26 +57,35 @@ def stock_tp1(trained, prompts, tmp_path_factory):
 
 
 def test_target_beats_a_unigram_model_on_held_out_code(trained):
-    """An independent forward (HF transformers, from the checkpoint on disk) of held-out code:
-    clearly better than the training text's unigram frequencies."""
+    """An independent forward (HF transformers, from the checkpoint on disk) of the held-out code
+    the builder scored (its documents in order, each followed by EOS; the first EVAL_TOKENS in SEQ
+    windows): clearly better than the training text's unigram frequencies, and the builder's figure."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(trained.target)
     model = LlamaForCausalLM.from_pretrained(trained.target, torch_dtype=torch.float32).eval()
     train_code, held_code, _, _ = stdlib_texts()
-    train_ids = torch.tensor(
-        [i for t in train_code for i in tokenizer(t, add_special_tokens=False)["input_ids"]]
-    )
-    held_ids = torch.tensor(tokenizer(held_code[0], add_special_tokens=False)["input_ids"][: 8 * SEQ + 1])
-    assert held_ids.numel() == 8 * SEQ + 1
+
+    def stream(texts: list[str]) -> torch.Tensor:  # each text's ids, then EOS (id 2)
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [2] for t in texts]
+        return torch.tensor([i for text_ids in ids for i in text_ids])
+
+    train_ids, held_ids = stream(train_code), stream(held_code)[: EVAL_TOKENS + 1]
+    assert held_ids.numel() == EVAL_TOKENS + 1 and EVAL_TOKENS % SEQ == 0
+    inputs, labels = held_ids[:-1].view(-1, SEQ), held_ids[1:].view(-1, SEQ)
     with torch.no_grad():
-        logits = model(held_ids[:-1].view(8, SEQ)).logits
-    model_loss = F.cross_entropy(logits.flatten(0, 1), held_ids[1:]).item()
+        total = sum(
+            F.cross_entropy(model(inputs[i : i + 32]).logits.flatten(0, 1), labels[i : i + 32].flatten(),
+                            reduction="sum").item()
+            for i in range(0, inputs.shape[0], 32)
+        )  # fmt: skip
+    model_loss = total / labels.numel()
     counts = torch.bincount(train_ids, minlength=len(tokenizer)).double() + 1
     unigram_loss = -(counts / counts.sum()).log()[held_ids[1:]].mean().item()
     assert model_loss < unigram_loss - 1.0, (model_loss, unigram_loss)
     report = trained.report
-    assert report["target_held_out_loss"] < report["unigram_held_out_loss"] - 1.0
+    assert report["target_held_out_loss"] == pytest.approx(model_loss, abs=1e-3)
+    assert report["unigram_held_out_loss"] == pytest.approx(unigram_loss, abs=1e-3)
     assert report["held_out_tokens"] > EVAL_TOKENS  # the builder's loss is over EVAL_TOKENS tokens
 
 
