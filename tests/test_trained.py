@@ -24,7 +24,11 @@ from tests.test_servers_plugin import assert_plugin_active, num_hot
 NEW = 32
 STEPS = 2  # eagle_args' defaults: 2 steps (+ the bonus token), topk 2, 4 draft tokens
 STOCK_SIZES = (32, 128, 2048)  # code maps served by stock TP=1: 2048 holds every id the target emits
-ACCEPT_RESOLUTION = 0.02  # measured accept lengths closer than this count as equal
+# Measured accept lengths closer than this count as equal: 10 requests of 32 tokens resolve an
+# accept length to about +-0.05 (one standard error of a request's verify steps, pooled), so two
+# differ only beyond about two of those. (At 0.02 the clean split's prompts measured map 128 above
+# map 2048, 2.29 vs 2.23: noise read as an order the size model was asked to reproduce.)
+ACCEPT_RESOLUTION = 0.1
 
 
 @pytest.fixture(scope="module")
