@@ -15,6 +15,7 @@ from hypothesis import settings
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, CPU_SITE, cpu_env, eagle_args
 from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture
 from sglang_frspec.demo.server import Launch, SGLangServer
+from tests.harness.gpu_defaults.overlap import SITE as GPU_DEFAULTS_SITE
 from tests.harness.gpu_defaults.overlap import overlap_env
 from tests.harness.zygote import ZYGOTES_STARTED, forked_launch
 
@@ -25,8 +26,11 @@ for _key, _value in cpu_env(1).items():
     if _key.startswith(("SGLANG_", "TORCHDYNAMO")):
         os.environ.setdefault(_key, _value)
 sys.path.insert(0, str(CPU_SITE))
-# Rank processes of run_tp_group import tests.rank_cases.
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+# Rank processes of run_tp_group import tests.rank_cases; every process finds the overlap plugin's
+# entry point (loaded where SGLANG_PLUGINS names it), so PYTHONPATH is the same for all zygotes.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(REPO), str(GPU_DEFAULTS_SITE), os.environ.get("PYTHONPATH")])
+)
 
 # A failing property test prints the blob that replays it; in CI the examples are derived from
 # each test's source (derandomize), so a CI failure reproduces on any machine.
@@ -109,7 +113,8 @@ def fixture_server(
     if eagle:
         args += eagle_args(fixture.draft, token_map)
     args += list(extra)
-    env = overlap_env(cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {})), enabled=overlap)
+    env = cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {}))
+    env = overlap_env(env) if overlap else env
     server = SGLangServer(args, env, log_path, launch=launch)
     _SERVERS_MADE.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], server))
     return server

@@ -17,14 +17,13 @@ What it cannot show: concurrency. A CPU device has one stream and the forward re
 a race between the forward stream and the scheduler's next batch (a buffer freed or reused while a
 kernel still reads it) never happens here.
 
-Servers load it when ``overlap_env`` put ``site/`` on ``PYTHONPATH`` and named it in
+Servers load it when ``site/`` is on ``PYTHONPATH`` and ``overlap_env`` named it in
 ``SGLANG_PLUGINS``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 from pathlib import Path
 
@@ -68,13 +67,11 @@ def gather_spec_extras(
     return topk_p_buf[indices], topk_index_buf[indices], output_tokens_buf[indices], hidden
 
 
-def overlap_env(env: dict, enabled: bool = True) -> dict:
-    """``env`` (a CPU server's, from ``cpu_env``) with this plugin's site on ``PYTHONPATH`` and,
-    when ``enabled``, the plugin loaded (the site is there either way: servers with and without it
-    fork from one zygote, whose key holds ``PYTHONPATH``)."""
-    paths = [str(SITE), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    plugins = f"{env['SGLANG_PLUGINS']},{PLUGIN}" if enabled else env["SGLANG_PLUGINS"]
-    return env | {"PYTHONPATH": os.pathsep.join(paths), "SGLANG_PLUGINS": plugins}
+def overlap_env(env: dict) -> dict:
+    """``env`` (a CPU server's, from ``cpu_env``) with this plugin loaded too. Its ``site/`` must be
+    on ``PYTHONPATH``: the test suite puts it there for every process (``tests/conftest.py``), so
+    servers with and without the plugin fork from one zygote, whose key holds ``PYTHONPATH``."""
+    return env | {"SGLANG_PLUGINS": f"{env['SGLANG_PLUGINS']},{PLUGIN}"}
 
 
 def relayed_ranks(log: str) -> set[int]:
