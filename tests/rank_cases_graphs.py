@@ -31,6 +31,21 @@ GRAPH_CAPTURE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.graph
 FREEZE_GC = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.freeze_gc"
 
 
+def rejection_sampling_server_args(draft: str, token_map: str, steps: int, capture_sizes: list[int]) -> dict:
+    """ServerArgs fields of a TP group whose ranks build SGLang's draft-decode graph runner: EAGLE
+    with rejection sampling, top-k 1, ``steps`` steps, a map, these decode graph sizes."""
+    return {
+        "speculative_algorithm": "EAGLE",
+        "speculative_draft_model_path": draft,
+        "speculative_use_rejection_sampling": True,
+        "speculative_eagle_topk": 1,
+        "speculative_num_steps": steps,
+        "speculative_num_draft_tokens": steps + 1,
+        "speculative_token_map": token_map,
+        "cuda_graph_bs_decode": capture_sizes,
+    }
+
+
 def hot_draft_head(hot: int, hidden: int) -> torch.Tensor:
     """The stand-in draft's ``[H, hidden]`` head (the test recomputes it from the same seed)."""
     return torch.randn(hot, hidden, generator=torch.Generator().manual_seed(5)) / hidden**0.5

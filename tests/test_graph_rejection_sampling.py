@@ -41,16 +41,9 @@ REFUSED = (
 def graph_cases() -> list[dict]:
     """``rank_cases_graphs.graph_cases`` on every rank of a real TP=2 group (about 20 s)."""
     perm = perm_fixture()
-    server_args = {
-        "speculative_algorithm": "EAGLE",
-        "speculative_draft_model_path": perm.draft,
-        "speculative_use_rejection_sampling": True,
-        "speculative_eagle_topk": 1,
-        "speculative_num_steps": STEPS,
-        "speculative_num_draft_tokens": STEPS + 1,
-        "speculative_token_map": perm.token_map("hot"),
-        "cuda_graph_bs_decode": CAPTURE_SIZES,
-    }
+    server_args = rank_cases_graphs.rejection_sampling_server_args(
+        perm.draft, perm.token_map("hot"), STEPS, CAPTURE_SIZES
+    )
     payload = {"vocab": VOCAB, "hot": HOT, "hidden": HIDDEN, "steps": STEPS, "rows": ROWS,
                "temperature": TEMPERATURE, "hot_ids": HOT_IDS.tolist(), "max_running": 48,
                "map": perm.token_map("hot")}  # fmt: skip

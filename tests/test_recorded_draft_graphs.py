@@ -37,16 +37,10 @@ CASES = [("local", "full", False), ("local", "topk", False), ("balanced", "full"
 def ranks() -> list[dict]:
     """``rank_cases_graphs.recorded_draft_graph_cases`` on both ranks of one TP=2 group."""
     perm = perm_fixture()
-    server_args = {
-        "speculative_algorithm": "EAGLE",
-        "speculative_draft_model_path": perm.draft,
-        "speculative_use_rejection_sampling": True,  # each case sets it (SGLang's scoped override)
-        "speculative_eagle_topk": 1,
-        "speculative_num_steps": STEPS,
-        "speculative_num_draft_tokens": STEPS + 1,
-        "speculative_token_map": perm.token_map("hot"),  # read by the hooks' checks; the ids are MAP_IDS
-        "cuda_graph_bs_decode": CAPTURE_SIZES,
-    }
+    # each case sets rejection sampling itself (SGLang's scoped override); the map's ids are the payload's
+    server_args = rank_cases_graphs.rejection_sampling_server_args(
+        perm.draft, perm.token_map("hot"), STEPS, CAPTURE_SIZES
+    )
     payload = {"vocab": VOCAB, "hot": HOT, "hidden": HIDDEN, "steps": STEPS, "temperature": TEMPERATURE,
                "max_running": 48, "map_ids": skewed_ids(VOCAB, HOT), "replays": REPLAYS}  # fmt: skip
     return run_tp_group(rank_cases_graphs.recorded_draft_graph_cases, 2, payload, timeout=300,
