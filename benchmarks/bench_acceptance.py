@@ -1,10 +1,10 @@
 r"""Acceptance and speed on a model trained on real text: no map vs maps of each size, side by side.
 
-The trained fixture (``tests.harness.trained``: a 32k-vocab BPE Llama trained on the
+The trained fixture (``tools.draft_training.trained_fixture``: a 32k-vocab BPE Llama trained on the
 Python standard library's code, and an EAGLE draft trained on its hidden states) is served by real
 CPU SGLang servers. Prompts are held-out code (the training domain) and held-out prose from the
 language reference (another domain); their launchers and schedulers are forked from a zygote, as
-the test servers' are (``tests.harness.zygote``). For each TP size every configuration runs as its
+the test servers' are (``tools.serving.zygote``). For each TP size every configuration runs as its
 own server:
 plain greedy decoding, EAGLE without a map, EAGLE + each map (this plugin; balanced/full) and, at
 TP > 1, the other layouts and exchanges on one map. Timed batches are interleaved round-robin
@@ -13,7 +13,7 @@ groups of ``--alive``), idle ones suspended; ratios use the references' samples 
 
 Reports per configuration, domain and concurrency mode: accept length, tokens/s, ratio to EAGLE
 without a map and to plain decoding, and whether the outputs equal plain greedy decoding at that TP
-(tie-aware: a difference is allowed only at a top-2 near-tie of the target, see tests.harness.greedy).
+(tie-aware: a difference is allowed only at a top-2 near-tie of the target, see tools.serving.greedy).
     python benchmarks/bench_acceptance.py --json docs/results/acceptance.json --plot docs/acceptance.png
 
 ``--spec S,K,T ...`` (EAGLE steps, topk, draft tokens) runs every EAGLE configuration once per spec
@@ -60,15 +60,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tools
 from common import fixture_map, shown_path, shown_paths, summarize  # noqa: E402
 
 from sglang_frspec.demo import gemma3  # noqa: E402
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
 from sglang_frspec.demo.server import SGLangServer  # noqa: E402
-from tests.harness.greedy import compare_greedy  # noqa: E402
-from tests.harness.trained import MAP_SIZES, PROSE_MAP_SIZE, trained_fixture  # noqa: E402
-from tests.harness.zygote import forked_launch  # noqa: E402
+from tools.draft_training.trained_fixture import MAP_SIZES, PROSE_MAP_SIZE, trained_fixture  # noqa: E402
+from tools.serving.greedy import compare_greedy  # noqa: E402
+from tools.serving.zygote import forked_launch  # noqa: E402
 
 PLAIN, NO_MAP = "plain greedy", "EAGLE, no map"
 # The systems of the closing table: rows without a map are stock EAGLE, rows with one EAGLE + map.

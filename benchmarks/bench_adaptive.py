@@ -1,6 +1,6 @@
 """The adaptive map (``SGLANG_FRSPEC_ADAPT=1``) against static maps while the traffic drifts, side by side.
 
-Issue 26's benchmark. The trained fixture (``tests.harness.trained``: a 32k-vocab Llama
+Issue 26's benchmark. The trained fixture (``tools.draft_training.trained_fixture``: a 32k-vocab Llama
 trained on the Python standard library's code and an EAGLE draft) is served by four real CPU
 SGLang servers, started once and kept for the whole run:
 
@@ -25,7 +25,7 @@ per phase and server: the accept length over the phase, the median tokens/s and,
 tokens/s against the static prose map's in the same batch, and the time of one verify step
 (batch size x accept length / tokens/s: the batch's seconds per verify step, prefill included);
 whether each server's outputs equal the no-map server's (exactly, else tie-aware against the
-target's forward, ``tests.harness.greedy``); the adaptive server's decisions and swaps
+target's forward, ``tools.serving.greedy``); the adaptive server's decisions and swaps
 (its log lines ``map adapted after ... decision X ms``) and the cost of a decision against a step.
 It also checks issue 26's goals (reported, never tuned to): the adaptive map comes within 0.03 of
 the in-domain static map's accept length within 64 requests of each phase, and is never slower
@@ -49,15 +49,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tools
 from common import fixture_map, median_interval, rotated, shown_path, shown_paths, summarize  # noqa: E402
 
 from sglang_frspec.core.options import DEFAULT_ADAPT_INTERVAL  # noqa: E402
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
 from sglang_frspec.demo.server import SGLangServer  # noqa: E402
-from tests.harness.greedy import compare_greedy  # noqa: E402
-from tests.harness.trained import PROSE_MAP_SIZE, trained_fixture  # noqa: E402
-from tests.harness.zygote import forked_launch  # noqa: E402
+from tools.draft_training.trained_fixture import PROSE_MAP_SIZE, trained_fixture  # noqa: E402
+from tools.serving.greedy import compare_greedy  # noqa: E402
+from tools.serving.zygote import forked_launch  # noqa: E402
 
 PHASES = ("code", "prose", "code")
 PROSE_MAP, CODE_MAP = f"prose_{PROSE_MAP_SIZE}", "code_128"

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness (CPU)
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tools.serving (CPU)
 import cycle_profile  # noqa: E402
 from common import median_interval, shown_path, shown_paths, summarize  # noqa: E402
 
@@ -249,11 +249,11 @@ def main(argv=None) -> int:
                 True,
             )
     # On CPU the launcher is forked from a Python that has already imported SGLang, and its
-    # schedulers are forked from it (tests/harness/zygote.py): ~35 s less per server start here.
+    # schedulers are forked from it (tools/serving/zygote.py): ~35 s less per server start here.
     # On a GPU SGLang spawns its schedulers as usual (a forked CUDA context is unusable).
     launch = new_python
     if args.device == "cpu":
-        from tests.harness.zygote import forked_launch
+        from tools.serving.zygote import forked_launch
 
         launch = forked_launch
     servers, logs = {}, {}

@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.harness
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools
 
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
 from sglang_frspec.demo.fixtures import (  # noqa: E402
@@ -76,7 +76,7 @@ from sglang_frspec.demo.fixtures import (  # noqa: E402
     source_digest,
 )
 from sglang_frspec.demo.server import SGLangServer, plugin_activity  # noqa: E402
-from tests.harness.greedy import compare_greedy, reference_greedy  # noqa: E402
+from tools.serving.greedy import compare_greedy, reference_greedy  # noqa: E402
 
 VOCAB = 4093
 HIDDEN = 128

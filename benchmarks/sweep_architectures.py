@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tools
 
 from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
 from common import shown_path  # noqa: E402
@@ -33,8 +33,8 @@ from qwen3_5_cpu import modelopt_target, nextn_args, qwen3_5_target, qwen3_next_
 
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
 from sglang_frspec.demo.server import ServerError, SGLangServer, plugin_activity  # noqa: E402
-from tests.harness.greedy import compare_greedy, reference_greedy  # noqa: E402
-from tests.harness.zygote import forked_launch  # noqa: E402
+from tools.serving.greedy import compare_greedy, reference_greedy  # noqa: E402
+from tools.serving.zygote import forked_launch  # noqa: E402
 
 TP = 2
 NEW_TOKENS = 24

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.harness
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tools
 from common import fixture_map, shown_path, shown_paths  # noqa: E402
 
 from sglang_frspec.core import canonical_hot_ids, read_token_map  # noqa: E402
@@ -43,8 +43,8 @@ from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa:
 from sglang_frspec.demo.server import SGLangServer  # noqa: E402
 from sglang_frspec.maps import TokenCounts  # noqa: E402
 from sglang_frspec.maps.sizing import estimate_sizes  # noqa: E402
-from tests.harness.trained import MAP_SIZES, trained_fixture  # noqa: E402
-from tests.harness.zygote import forked_launch  # noqa: E402
+from tools.draft_training.trained_fixture import MAP_SIZES, trained_fixture  # noqa: E402
+from tools.serving.zygote import forked_launch  # noqa: E402
 
 DOMAINS = ("code", "prose")
 NO_MAP = "EAGLE, no map"

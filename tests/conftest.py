@@ -17,7 +17,7 @@ from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture
 from sglang_frspec.demo.server import Launch, SGLangServer
 from tests.harness.gpu_defaults.overlap import SITE as GPU_DEFAULTS_SITE
 from tests.harness.gpu_defaults.overlap import overlap_env
-from tests.harness.zygote import ZYGOTES_STARTED, forked_launch
+from tools.serving.zygote import ZYGOTES_STARTED, forked_launch
 
 REPO = Path(__file__).resolve().parent.parent
 

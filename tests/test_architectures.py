@@ -20,8 +20,8 @@ import pytest
 
 from sglang_frspec.demo.cpu import eagle_args
 from sglang_frspec.demo.fixtures import ModelFixture
-from tests.harness.greedy import compare_greedy, reference_greedy
 from tests.test_servers_plugin import assert_plugin_active, num_hot
+from tools.serving.greedy import compare_greedy, reference_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402

@@ -31,9 +31,9 @@ from sglang_frspec.cli import build_parser
 from sglang_frspec.cli import demo as demo_command
 from sglang_frspec.demo.gemma3 import MAX_PERPLEXITY, NEW_TOKENS, SERVER_ARGS, gemma3_fixture
 from tests.conftest import fixture_server
-from tests.harness.greedy import TIE_EPSILON, compare_greedy
-from tests.harness.zygote import forked_launch
 from tests.test_servers_plugin import num_hot
+from tools.serving.greedy import TIE_EPSILON, compare_greedy
+from tools.serving.zygote import forked_launch
 
 pytestmark = pytest.mark.server
 # SGLang's float32 forward and HF's differ by rounding only (their greedy outputs were equal in

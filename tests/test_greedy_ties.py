@@ -1,11 +1,11 @@
-"""compare_greedy (tests.harness.greedy) on the random fixture, against HF greedy decoding."""
+"""compare_greedy (tools.serving.greedy) on the random fixture, against HF greedy decoding."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.harness.fixtures import random_fixture
-from tests.harness.greedy import TIE_EPSILON, compare_greedy, next_token_logits
+from tools.serving.greedy import TIE_EPSILON, compare_greedy, next_token_logits
 
 PROMPT = [9, 9, 9, 9, 12000]  # its 20th greedy token is a near-tie (the CI flake of issue 11)
 

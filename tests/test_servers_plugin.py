@@ -13,7 +13,7 @@ from sglang_frspec.demo.server import plugin_activity
 from tests.harness import sampling_law as law
 from tests.harness.fixtures import random_fixture, sharp_draft_fixture
 from tests.harness.gpu_defaults.overlap import relayed_ranks
-from tests.harness.greedy import compare_greedy
+from tools.serving.greedy import compare_greedy
 
 pytestmark = pytest.mark.server
 NEW = 24
@@ -109,7 +109,7 @@ def test_plugin_matches_stock_tp1(perm, start_server):
 
 def test_tp2_random_weights_match_plain_decoding(start_server):
     """Random weights (no structure to lean on): EAGLE + map at TP=2 decodes as plain greedy,
-    up to near-ties of the target's top-2 logits (see tests.harness.greedy)."""
+    up to near-ties of the target's top-2 logits (see tools.serving.greedy)."""
     fixture = random_fixture()
     prompts = [[5, 77, 1203], [31000, 17], [9, 9, 9, 9, 12000]]
     plain = start_server(fixture, 2, eagle=False)

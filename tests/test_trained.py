@@ -16,10 +16,10 @@ from sglang_frspec.core.options import COUNTS_ENV
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
 from sglang_frspec.demo.server import SGLangServer
 from sglang_frspec.maps.sizing import acceptance_rate, chain_accept_length
-from tests.harness.greedy import compare_greedy
-from tests.harness.trained import EVAL_TOKENS, SEQ, stdlib_texts, trained_fixture
-from tests.harness.zygote import forked_launch
 from tests.test_servers_plugin import assert_plugin_active, num_hot
+from tools.draft_training.trained_fixture import EVAL_TOKENS, SEQ, stdlib_texts, trained_fixture
+from tools.serving.greedy import compare_greedy
+from tools.serving.zygote import forked_launch
 
 NEW = 32
 STEPS = 2  # eagle_args' defaults: 2 steps (+ the bonus token), topk 2, 4 draft tokens

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from sglang_frspec.demo.server import kill_tree
-from tests.harness.zygote import fork_module, zygote_for
+from tools.serving.zygote import fork_module, zygote_for
 
 # A launcher whose multiprocessing children are forked (fork_children): it runs an OpenMP parallel
 # torch op, then a child runs one too.

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.harness.zygote import ForkedProcess, forked_launch
+from tools.serving.zygote import ForkedProcess, forked_launch
 
 logger = logging.getLogger(__name__)
 

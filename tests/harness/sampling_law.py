@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.harness.greedy import _load_target
+from tools.serving.greedy import _load_target
 
 CLASSES = ("most probable", "other map ids", "outside the map, rank 0 half", "outside the map, rank 1 half")
 REPLICATES = 20000  # simulated statistics under the null (and per power estimate)

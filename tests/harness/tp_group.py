@@ -10,7 +10,7 @@ ranks exited; all ranks are killed, so a rank stuck in a collective never hangs 
 whose function returned waits for the others before it exits: rank 0's process serves the group's
 TCPStore, which ranks still creating groups (or running their function) may need.
 
-The ranks are forked from a zygote (``tests.harness.zygote``) that has imported SGLang's
+The ranks are forked from a zygote (``tools.serving.zygote``) that has imported SGLang's
 distributed and server-args modules once for this environment, so a group does not pay an
 SGLang import per rank.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 from sglang_frspec.demo.cpu import cpu_env
 from sglang_frspec.demo.server import free_port, kill_tree
-from tests.harness.zygote import fork_module
+from tools.serving.zygote import fork_module
 
 PORT_RETRIES = 3
 PORT_TAKEN = "EADDRINUSE"  # torch's TCPStore: "... name: EADDRINUSE, message: address already in use"

@@ -1,4 +1,4 @@
-"""Fork test processes from a Python that has already imported SGLang (a *zygote*).
+"""Fork test and benchmark processes from a Python that has already imported SGLang (a *zygote*).
 
 Importing SGLang costs about 10 s of a 2-core machine, and the suite starts well over a hundred
 processes that each begin with that import. ``fork_module(env, preload, module, args, log)``
@@ -103,7 +103,8 @@ class Zygote:
         self._tmp = tempfile.TemporaryDirectory(prefix="frspec-zygote-")
         self._dir = Path(self._tmp.name)
         self.log_path = self._dir / "zygote.log"
-        # This module and the modules it forks (tests.*) are found from the repository root.
+        # This module and the modules it forks (tests.* for the suite's ranks) are found from the
+        # repository root.
         path = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
         if str(REPO) not in path:
             env = env | {"PYTHONPATH": os.pathsep.join([str(REPO), *path])}
