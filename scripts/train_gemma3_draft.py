@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -174,16 +175,19 @@ def main() -> None:
 
 def serve(args: argparse.Namespace) -> None:
     """Served accept lengths of the shipped draft on ``gemma3_fixture``'s held-out prompts: TP=2
-    with the plugin (chain and small tree) and stock SGLang at TP=1, all with the 32768-id map."""
-    from types import SimpleNamespace
+    with the plugin (chain and small tree) and stock SGLang at TP=1, all with the 32768-id map.
 
+    Each server is a new Python started as ``sglang-frspec demo`` starts its CPU servers (SGLang's
+    CPU configuration: ``CPU_SERVER_ARGS``, ``cpu_env``), serving this checkout's plugin."""
+    from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
     from sglang_frspec.demo.gemma3 import NEW_TOKENS, SERVER_ARGS
-    from sglang_frspec.demo.server import new_python
-    from tests.conftest import fixture_server
+    from sglang_frspec.demo.server import SGLangServer, new_python
 
     fixture = gemma3_fixture()
     args.work.mkdir(parents=True, exist_ok=True)
-    served = SimpleNamespace(target=fixture.target, draft=str(args.out))
+    base_env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    }
     runs = {
         "tp2_plugin_chain": (2, True, CHAIN),
         "tp2_plugin_tree": (2, True, TREE),
@@ -191,17 +195,12 @@ def serve(args: argparse.Namespace) -> None:
     }
     results = {}
     for name, (tp, plugin, (steps, topk, tokens)) in runs.items():
-        spec = ("--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk))
-        spec += ("--speculative-num-draft-tokens", str(tokens))
-        server = fixture_server(
-            served,
-            tp,
-            args.work / f"{name}.log",
-            fixture.token_map(HOT),
-            plugin=plugin,
-            extra=SERVER_ARGS + spec,
-            launch=new_python,
+        server_args = ["--model-path", fixture.target, "--tp-size", str(tp), *CPU_SERVER_ARGS, *SERVER_ARGS]
+        server_args += eagle_args(
+            str(args.out), fixture.token_map(HOT), steps=steps, topk=topk, draft_tokens=tokens
         )
+        env = cpu_env(tp, with_plugin=plugin, base=base_env)
+        server = SGLangServer(server_args, env, args.work / f"{name}.log", launch=new_python)
         started = time.monotonic()
         with server:
             outs = server.generate(fixture.prompts, NEW_TOKENS)
