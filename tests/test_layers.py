@@ -62,16 +62,47 @@ def test_each_layer_imports_only_what_is_below_it(layer):
     assert broken == []
 
 
-def test_tools_never_import_tests():
-    """``tools/`` (the draft trainer) is imported by tests, never the other way round."""
-    tools = PACKAGE.parent / "tools"
-    broken = [
-        f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
-        for path in sorted(tools.rglob("*.py"))
-        for line, module in _imports(path)
+# The repository's tools and the package: tests import them, never the other way round.
+TOOL_TREES = ("benchmarks", "scripts", "tools", "sglang_frspec")
+
+
+def _imports_of_tests(root: Path) -> list[str]:
+    """``path:line imports module`` for every import of ``tests`` (or a module of it) in a ``*.py``
+    file under ``root``'s ``TOOL_TREES`` (scripts/ also holds bash scripts, which are not read)."""
+    return [
+        f"{path.relative_to(root)}:{line} imports {module}"
+        for tree in TOOL_TREES
+        for path in sorted((root / tree).rglob("*.py"))
+        for line, module in _imports(path, root)
         if module == "tests" or module.startswith("tests.")
     ]
-    assert sorted(tools.rglob("*.py")) and broken == []
+
+
+def test_tools_never_import_tests():
+    """No benchmark, script, tool (``tools/``: the draft trainer, the zygote, greedy references,
+    the trained fixture) or package module imports the tests or their harness."""
+    root = PACKAGE.parent
+    assert all(any((root / tree).rglob("*.py")) for tree in TOOL_TREES)
+    assert _imports_of_tests(root) == []
+
+
+def test_the_tests_rule_reads_nested_and_aliased_imports(tmp_path):
+    """The checker itself: an import of the tests inside a function, an aliased one and a name
+    taken from the ``tests`` package are found; a bash script and ``tests_util`` are not."""
+    for tree in TOOL_TREES:
+        (tmp_path / tree).mkdir()
+    (tmp_path / "scripts" / "probe.py").write_text(
+        "import tests_util\n\n\ndef serve():\n    from tests.conftest import fixture_server\n"
+    )
+    (tmp_path / "benchmarks" / "probe.py").write_text(
+        "import tests.harness.zygote as z\nfrom tests import harness\n"
+    )
+    (tmp_path / "scripts" / "probe").write_text("#!/usr/bin/env bash\nfrom tests import harness\n")
+    assert _imports_of_tests(tmp_path) == [
+        "benchmarks/probe.py:1 imports tests.harness.zygote",
+        "benchmarks/probe.py:2 imports tests",
+        "scripts/probe.py:5 imports tests.conftest",
+    ]
 
 
 def test_no_module_imports_the_package_face():
