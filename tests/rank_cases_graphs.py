@@ -1,7 +1,7 @@
 """Functions run on a real SGLang rank: SGLang's EAGLE draft-decode CUDA graph runner built, captured
 and replayed on the CPU with recorded graphs (``tests/harness/gpu_defaults/recorded_graphs.py``),
 with the plugin's hooks, its hot head and its logits exchange inside the graph (see
-tests/test_graph_rejection_sampling.py and tests/test_recorded_draft_graphs.py).
+tests/test_graph_rejection_sampling.py and tests/test_recorded_eagle_graphs.py).
 
 SGLang's own ``EAGLEDraftCudaGraphRunner`` runs: its ``__init__`` allocates the buffers,
 ``capture_one_shape`` captures ``EagleDraftWorker.draft_forward`` on them (through the backend:
@@ -66,36 +66,42 @@ def _no_capture_stream(stream=None):
     yield SimpleNamespace(stream=stream)
 
 
+class _AttentionStandIn:
+    """Attention metadata (a graph runner's attention backend), for models without attention."""
+
+    dllm_attention = None
+
+    def __init__(self, steps: int = 1):
+        self.attn_backends = [self] * steps  # one per draft step
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def init_cuda_graph_state(self, *args, **kwargs) -> None:
+        pass
+
+    def init_forward_metadata_in_graph(self, *args, **kwargs) -> None:
+        pass
+
+    def init_forward_metadata_out_graph(self, *args, **kwargs) -> None:
+        pass
+
+    def shared_read_ends(self, forward_mode):
+        from sglang.srt.layers.attention.base_attn_backend import SharedReadEnds
+
+        return SharedReadEnds.UNKNOWN  # no read-done event (CPU has none)
+
+
 def _draft_worker(payload: dict, model, forward: Callable):
     """A real ``EagleDraftWorker`` (its ``draft_forward``) over a stand-in draft runner holding
     ``model`` whose ``forward(forward_batch)`` returns the logits output; ``__init__`` is skipped as
     in SGLang's kit (it loads a model)."""
-    from sglang.srt.layers.attention.base_attn_backend import SharedReadEnds
     from sglang.srt.model_executor.graph_shared_output import GraphSharedOutput
     from sglang.srt.runtime_context import get_server_args
     from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     steps = payload["steps"]
-
-    class AttentionStandIn:
-        attn_backends = property(lambda self: [self] * steps)
-
-        def get_cuda_graph_seq_len_fill_value(self):
-            return 1
-
-        def init_cuda_graph_state(self, *args, **kwargs):
-            pass
-
-        def init_forward_metadata_in_graph(self, *args, **kwargs):
-            pass
-
-        def init_forward_metadata_out_graph(self, *args, **kwargs):
-            pass
-
-        def shared_read_ends(self, forward_mode):
-            return SharedReadEnds.UNKNOWN  # no read-done event (CPU has none)
-
     config = SimpleNamespace(
         vocab_size=payload["vocab"],  # the draft model's vocab, as SGLang reads it for the buffer
         model_is_mrope=False,
@@ -116,7 +122,7 @@ def _draft_worker(payload: dict, model, forward: Callable):
         kv_index_translator=SimpleNamespace(bind_runner_slots=lambda forward_batch: None),
         device_timer=None,
         canary_manager=None,
-        draft_attn_backend=AttentionStandIn(),
+        draft_attn_backend=_AttentionStandIn(steps),
         forward=lambda forward_batch: SimpleNamespace(logits_output=forward(forward_batch)),
         graph_shared_output=GraphSharedOutput(device=torch.device("cpu"), max_rows=payload["max_running"]),
         shared_read_done_event=None,
@@ -196,13 +202,36 @@ class _OneLayerDraft(torch.nn.Module):
         return self.logits_processor(input_ids, states, self.lm_head, forward_batch)
 
 
-def _plugin_worker(payload: dict):
+class _OneLayerTarget(_TargetHeads):
+    """A target reduced to one layer, tanh(embedding of the token @ W + a position term), over the
+    vocab-parallel embedding and LM head the plugin gathers the draft's hot head from, and
+    SGLang's ``LogitsProcessor`` over the full vocab (an all-gather of equal shards)."""
+
+    def __init__(self, vocab: int, hidden: int):
+        from sglang.srt.configs.shared_experts import SharedExpertsConfig
+        from sglang.srt.layers.logits_processor import LogitsProcessor
+        from transformers import LlamaConfig
+
+        super().__init__(vocab, hidden)
+        self.config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_attention_heads=hidden // 16,
+                                  architectures=["LlamaForCausalLM"])  # fmt: skip
+        self.logits_processor = LogitsProcessor(self.config)
+        self.shared_experts_config = SharedExpertsConfig()
+        self.mix = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(4)) / hidden**0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch):
+        states = torch.tanh(self.embed_tokens(input_ids) @ self.mix + 0.01 * positions[:, None])
+        return self.logits_processor(input_ids, states, self.lm_head, forward_batch)
+
+
+def _plugin_worker(payload: dict, target: _TargetHeads | None = None):
     """A draft worker set up by the plugin's own start-up hook (``init_lm_head``, applied by
-    ``load_plugins``) with the layout and exchange of ``SGLANG_FRSPEC_*``: this rank's hot head,
-    the hot-logits processor and the canonical ``hot_token_id``."""
+    ``load_plugins``) with the layout and exchange of ``SGLANG_FRSPEC_*``: this rank's hot head
+    (gathered from ``target``'s LM head shard), the hot-logits processor and the canonical
+    ``hot_token_id``."""
     from sglang_frspec.adapters.state import FrSpecState, attach_state
 
-    target = _TargetHeads(payload["vocab"], payload["hidden"])
+    target = target or _TargetHeads(payload["vocab"], payload["hidden"])
     draft = _OneLayerDraft(payload["vocab"], payload["hidden"])
     worker = _draft_worker(payload, draft, lambda batch: draft(batch.input_ids, batch.positions, batch))
     worker.target_worker = SimpleNamespace(model_runner=SimpleNamespace(model=target),
@@ -581,10 +610,174 @@ def _swap_and_refresh_after_capture(runner, worker, payload: dict) -> dict:
     return out
 
 
-def recorded_draft_graph_cases(payload: dict) -> dict:
+def _target_model_runner(payload: dict, model: _OneLayerTarget, speculative: bool):
+    """A stand-in for the target's ``ModelRunner`` as SGLang's decode graph runner reads it: the
+    model, its config, the server's settings; no LoRA, no pipeline, no attention."""
+    from sglang.srt.model_executor.graph_shared_output import GraphSharedOutput
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.runtime_context import get_server_args
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    config = SimpleNamespace(
+        vocab_size=payload["vocab"],
+        hidden_size=payload["hidden"],
+        is_encoder_decoder=False,
+        model_is_mrope=False,
+        dtype=torch.float32,
+        hf_config=model.config,
+        hf_text_config=model.config,
+    )
+    runner = SimpleNamespace(
+        device="cpu",
+        gpu_id=0,
+        dtype=torch.float32,
+        spec_algorithm=SpeculativeAlgorithm.EAGLE if speculative else SpeculativeAlgorithm.NONE,
+        is_draft_worker=False,
+        model_config=config,
+        model=model,
+        req_to_token_pool=SimpleNamespace(size=payload["max_running"]),
+        server_args=get_server_args(),
+        attn_backend=_AttentionStandIn(),
+        lora_manager=None,
+        ngram_embedding_manager=SimpleNamespace(enabled=False),
+        hisparse_coordinator=None,
+        kv_index_translator=SimpleNamespace(bind_runner_slots=lambda forward_batch: None),
+        capture_head_hooks=[],
+        capture_tail_hooks=[],
+        device_timer=None,
+        canary_manager=None,
+        shared_read_done_event=None,
+        graph_shared_output=GraphSharedOutput(device=torch.device("cpu"), max_rows=payload["max_running"]),
+        attn_tp_sequence_sharded=lambda num_tokens: False,
+        get_pp_proxy_topk_size=lambda: None,
+        get_pp_proxy_residual_num_blocks=lambda: None,
+        get_pp_proxy_dspark_hidden_size=lambda: None,
+        get_aux_hidden_states_width=lambda: None,
+    )
+    runner.decode_num_tokens_per_req = lambda **kw: ModelRunner.decode_num_tokens_per_req(runner, **kw)
+    return runner
+
+
+def _build_target_runner(runner):
+    """SGLang's decode graph runner of the target (TARGET_VERIFY under EAGLE) on recorded graphs."""
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+    from sglang.srt.runtime_context import get_parallel
+
+    def backend(graph_runner):
+        owners = (graph_runner, graph_runner.buffers)
+        return RecordedGraphBackend(owners, group=get_parallel().tp_group.cpu_group)
+
+    resolve = f"{DecodeCudaGraphRunner.__module__}.resolve_decode_backend"
+    no_gc_freeze = patch(FREEZE_GC, lambda enable_cudagraph_gc: contextlib.nullcontext())
+    with patch(GRAPH_CAPTURE, _no_capture_stream), patch(resolve, backend), no_gc_freeze:
+        return DecodeCudaGraphRunner(runner)
+
+
+def _target_batch(payload: dict, input_ids: torch.Tensor, speculative: bool):
+    """A target batch of ``input_ids`` ``[rows, width]``: under EAGLE a verify batch (each row the
+    last verified token, then the drafted ones), else a decode batch (width 1)."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+    from sglang.srt.speculative.eagle_info import EagleVerifyInput
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    rows, width = input_ids.shape
+    seq_lens = torch.arange(rows, dtype=torch.int64) + 5
+    positions = (seq_lens[:, None] + torch.arange(width)).flatten()
+    spec_info = None
+    if speculative:
+        spec_info = EagleVerifyInput(
+            draft_token=input_ids.flatten(),
+            custom_mask=None,
+            positions=positions,
+            retrieve_index=None,
+            retrieve_next_token=None,
+            retrieve_next_sibling=None,
+            retrieve_cum_len=None,
+            spec_steps=payload["steps"],
+            topk=1,
+            draft_token_num=width,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            seq_lens_sum=int(seq_lens.sum()),
+            seq_lens_cpu=seq_lens.clone(),
+        )
+    return ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY if speculative else ForwardMode.DECODE,
+        batch_size=rows,
+        input_ids=input_ids.flatten(),
+        req_pool_indices=torch.arange(rows, dtype=torch.int64),
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens.clone(),
+        out_cache_loc=torch.arange(rows * width, dtype=torch.int64) + 300,
+        seq_lens_sum=int(seq_lens.sum()),
+        positions=positions,
+        return_logprob=False,
+        spec_algorithm=SpeculativeAlgorithm.EAGLE if speculative else SpeculativeAlgorithm.NONE,
+        spec_info=spec_info,
+        capture_hidden_mode=CaptureHiddenMode.FULL if speculative else CaptureHiddenMode.NULL,
+    )
+
+
+def _target_graphs(payload: dict, layout: str, exchange: str) -> dict:
+    """One EAGLE step in graphs: the plugin's draft (``layout``, ``exchange``) and SGLang's
+    draft-decode runner draft each batch's tokens, which SGLang's target runner verifies
+    (TARGET_VERIFY, captured as the target's decode graphs); each replay is compared with the
+    target run eagerly on the same batch. Then the target's plain decode graph beside it."""
+    from sglang.srt.runtime_context import get_spec
+
+    from sglang_frspec.core.options import EXCHANGE_ENV, LAYOUT_ENV
+
+    os.environ[LAYOUT_ENV], os.environ[EXCHANGE_ENV] = layout, exchange
+    target = _OneLayerTarget(payload["vocab"], payload["hidden"])
+    with get_spec().override(speculative_use_rejection_sampling=False):
+        worker = _plugin_worker(payload, target)
+        draft_runner = _build_runner(worker, payload["steps"])
+        verify_runner = _build_target_runner(_target_model_runner(payload, target, speculative=True))
+        graphs = verify_runner.backend.graphs
+        out = {"mode": verify_runner.capture_forward_mode.name, "keys": sorted(k.size for k in graphs),
+               "collectives": {str(k): g.collectives for k, g in graphs.items()}}  # fmt: skip
+        for rows, seed, _ in payload["replays"]:
+            draft_input = _draft_input(rows, payload, seed, False)
+            draft_batch = _forward_batch(draft_input, rows, payload["steps"], 1.0)
+            drafted = draft_runner.execute(draft_batch)[2].clone()  # [rows, steps] target ids
+            g = torch.Generator().manual_seed(seed)
+            ids = torch.cat([torch.randint(0, payload["vocab"], (rows, 1), generator=g), drafted], 1)
+            replay = verify_runner.execute(_target_batch(payload, ids, speculative=True))
+            batch = _target_batch(payload, ids, speculative=True)
+            eager = target(batch.input_ids, batch.positions, batch)
+            out[(rows, seed)] = {
+                "drafted": drafted,
+                "replay": (replay.next_token_logits.clone(), replay.hidden_states.clone()),
+                "eager": (eager.next_token_logits, eager.hidden_states),
+            }
+    return out
+
+
+def _target_decode_graph(payload: dict) -> dict:
+    """SGLang's target decode runner without speculation (DECODE, one token per request) beside
+    the plugin's draft, replayed and run eagerly; then the target's LM head replaced after capture
+    (a weight update that rebinds instead of copying in place): the replay must refuse it."""
+    target = _OneLayerTarget(payload["vocab"], payload["hidden"])
+    _plugin_worker(payload, target)  # the draft's hot head gathered from this target's head
+    runner = _build_target_runner(_target_model_runner(payload, target, speculative=False))
+    out = {"mode": runner.capture_forward_mode.name, "keys": sorted(k.size for k in runner.backend.graphs)}
+    for rows, seed, _ in payload["replays"]:
+        ids = torch.randint(0, payload["vocab"], (rows, 1), generator=torch.Generator().manual_seed(seed))
+        replay = runner.execute(_target_batch(payload, ids, speculative=False))
+        batch = _target_batch(payload, ids, speculative=False)
+        eager = target(batch.input_ids, batch.positions, batch)
+        out[(rows, seed)] = {"replay": replay.next_token_logits.clone(), "eager": eager.next_token_logits}
+    target.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.detach().clone(), requires_grad=False)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    out["head replaced"] = _error(lambda: runner.execute(_target_batch(payload, ids, speculative=False)))
+    return out
+
+
+def recorded_eagle_graph_cases(payload: dict) -> dict:
     """With the plugin loaded: the draft-decode graph under each layout and exchange, greedy
     (no rejection sampling) and under rejection sampling (its sampling and all-greedy graphs,
-    the exchange forced to ``full``), then the injected faults."""
+    the exchange forced to ``full``); the draft-extend graph and one EAGLE step with the target's
+    verify graph under each layout and exchange; the target's plain decode graph; then the
+    injected faults."""
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
@@ -597,4 +790,6 @@ def recorded_draft_graph_cases(payload: dict) -> dict:
     for layout in ("local", "balanced"):
         for exchange in ("full", "topk"):
             out[("extend", layout, exchange)] = _draft_extend_graph(payload, layout, exchange)
+            out[("verify", layout, exchange)] = _target_graphs(payload, layout, exchange)
+    out["target decode"] = _target_decode_graph(payload)
     return out | {"faults": _faults(payload)}

@@ -278,11 +278,18 @@ def _host_reads_refused() -> Iterator[None]:
             setattr(torch.Tensor, name, original)
 
 
+_recording = [False]  # whether record() is running: what a capture stream reports on a GPU
+
+
 def record(fn: Callable[[], Any]) -> tuple[RecordedGraph, Any]:
     """Run ``fn`` once under the recorder: the graph of its ops and ``fn``'s output."""
     recorder = _Recorder()
-    with _host_reads_refused(), recorder:
-        out = fn()
+    _recording[0] = True
+    try:
+        with _host_reads_refused(), recorder:
+            out = fn()
+    finally:
+        _recording[0] = False
     leaves, spec = tree_flatten(out)
     output_leaves = [("slot", recorder.slot_of(x, "the output")) if isinstance(x, torch.Tensor) else x
                      for x in leaves]  # fmt: skip
@@ -309,7 +316,16 @@ class RecordedGraphBackend(BaseCudaGraphBackend):
 
     @contextlib.contextmanager
     def capture_session(self, stream) -> Iterator[None]:
-        yield
+        # torch.cpu has no capture stream to ask; SGLang's runner asks whether one is capturing
+        # (decode_cuda_graph_runner.py:658): True while the recorder records, not in warm-ups.
+        had = hasattr(torch.cpu, "is_current_stream_capturing")
+        if not had:
+            torch.cpu.is_current_stream_capturing = lambda: _recording[0]
+        try:
+            yield
+        finally:
+            if not had:
+                del torch.cpu.is_current_stream_capturing
 
     def capture_one(self, shape_key, forward_fn, capture_inputs=None, post_warmup_hook=None) -> None:
         for _ in range(self.warmups):

@@ -1,15 +1,17 @@
-"""SGLang's draft-decode CUDA graph runner with the plugin at TP=2, its graphs recorded and replayed
-as ops on the captured buffers (``tests/harness/gpu_defaults/recorded_graphs.py``), as a GPU replays
-a captured graph: frozen Python, fixed addresses, collectives re-issued in order.
+"""SGLang's EAGLE graph runners with the plugin at TP=2 (draft decode, draft extend, and the
+target's verify and decode), their graphs recorded and replayed as ops on the captured buffers
+(``tests/harness/gpu_defaults/recorded_graphs.py``), as a GPU replays a captured graph: frozen
+Python, fixed addresses, collectives re-issued in order.
 
 On a real gloo TP=2 group, the plugin's own start-up hook installs the hot head and the
 hot-logits processor (each layout, each exchange) on a one-layer draft over SGLang's
 vocab-parallel embedding, LM head and logits processor; SGLang's ``EAGLEDraftCudaGraphRunner``
 captures ``draft_forward`` and replays batches of other values and sizes, padded to a captured
-size. Each replay must equal ``draft_forward`` run eagerly on the same batch. Faults a GPU
-would refuse, injected into the plugin, must fail with the recorder's error
-(``tests/rank_cases_graphs.py``).
-"""
+size. Each replay must equal ``draft_forward`` run eagerly on the same batch. The drafted tokens
+then go through SGLang's ``DecodeCudaGraphRunner`` of a one-layer target (TARGET_VERIFY, the
+LM head the draft's hot head is gathered from), whose replays must equal the target run eagerly.
+Faults a GPU would refuse, injected into the plugin, must fail with the recorder's error
+(``tests/rank_cases_graphs.py``)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ CASES = [("local", "full", False), ("local", "topk", False), ("balanced", "full"
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    """``rank_cases_graphs.recorded_draft_graph_cases`` on both ranks of one TP=2 group."""
+    """``rank_cases_graphs.recorded_eagle_graph_cases`` on both ranks of one TP=2 group."""
     perm = perm_fixture()
     # each case sets rejection sampling itself (SGLang's scoped override); the map's ids are the payload's
     server_args = rank_cases_graphs.rejection_sampling_server_args(
@@ -43,7 +45,7 @@ def ranks() -> list[dict]:
     )
     payload = {"vocab": VOCAB, "hot": HOT, "hidden": HIDDEN, "steps": STEPS, "temperature": TEMPERATURE,
                "max_running": 48, "map_ids": skewed_ids(VOCAB, HOT), "replays": REPLAYS}  # fmt: skip
-    return run_tp_group(rank_cases_graphs.recorded_draft_graph_cases, 2, payload, timeout=300,
+    return run_tp_group(rank_cases_graphs.recorded_eagle_graph_cases, 2, payload, timeout=300,
                         server_args=server_args)  # fmt: skip
 
 
@@ -101,6 +103,47 @@ def test_draft_extend_replays_equal_eager(ranks, layout, exchange):
         if isinstance(key, tuple):
             a, b = (rank[("extend", layout, exchange)][key]["replay"][0] for rank in ranks)
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["local", "balanced"])
+@pytest.mark.parametrize("exchange", ["full", "topk"])
+def test_target_verify_replays_the_plugins_drafts(ranks, layout, exchange):
+    """One EAGLE step in graphs: the plugin's draft-decode graph drafts target ids from the map,
+    and SGLang's target runner, captured in TARGET_VERIFY mode, verifies them: every replay (3
+    rows padded to 4) returns the full-vocab logits and hidden states of the target run eagerly
+    on the same batch, on both ranks, and each graph re-issues the embedding's all-reduce and the
+    logits' all-gather."""
+    map_ids = set(skewed_ids(VOCAB, HOT))
+    outs = [rank[("verify", layout, exchange)] for rank in ranks]
+    for out in outs:
+        assert out["mode"] == "TARGET_VERIFY" and out["keys"] == CAPTURE_SIZES
+        for rows, seed, _ in REPLAYS:
+            case = out[(rows, seed)]
+            assert case["drafted"].shape == (rows, STEPS)
+            assert set(case["drafted"].flatten().tolist()) <= map_ids  # target ids of the map
+            (logits, hidden), (eager_logits, eager_hidden) = case["replay"], case["eager"]
+            tokens = rows * (STEPS + 1)
+            assert logits.shape == (tokens, VOCAB) and hidden.shape == (tokens, HIDDEN)
+            assert torch.equal(logits, eager_logits) and torch.equal(hidden, eager_hidden), (rows, seed)
+        for sequence in out["collectives"].values():
+            names = [c.split("(")[0] for c in sequence]
+            assert names == ["c10d.allreduce_.default", "c10d._allgather_base_.default"]
+    for rows, seed, _ in REPLAYS:
+        a, b = (out[(rows, seed)] for out in outs)
+        assert torch.equal(a["drafted"], b["drafted"]) and torch.equal(a["replay"][0], b["replay"][0])
+
+
+def test_target_decode_replays_equal_eager_and_a_replaced_head_fails(ranks):
+    """SGLang's target decode runner (no speculation) beside the plugin's draft: replays equal
+    the target run eagerly; the target's LM head rebound after capture fails the replay (the
+    graph would read freed memory)."""
+    for rank in ranks:
+        out = rank["target decode"]
+        assert out["mode"] == "DECODE" and out["keys"] == CAPTURE_SIZES
+        for rows, seed, _ in REPLAYS:
+            replay, eager = out[(rows, seed)]["replay"], out[(rows, seed)]["eager"]
+            assert replay.shape == (rows, VOCAB) and torch.equal(replay, eager)
+        assert out["head replaced"].startswith("GraphReplayError:"), out["head replaced"]
 
 
 @pytest.mark.parametrize("layout", ["local", "balanced"])
