@@ -96,14 +96,17 @@ def parse() -> argparse.Namespace:
         "--checkpoint", default="checkpoint.pt", help="training checkpoint under --work (runs side by side)"
     )
     p.add_argument(
-        "--init", type=Path, help="warm start: a checkpoint or a draft folder such as --out (new optimizer)"
+        "--init",
+        type=Path,
+        help="warm start: a checkpoint or a draft folder such as --out (new optimizer); refused unless it "
+        "held out the same text as --work",
     )
     p.add_argument(
         "--more-data",
         type=Path,
         action="append",
         default=[],
-        help="another run's --work folder (features done) to train on too; repeatable",
+        help="another run's --work folder (features done, same held-out text) to train on too; repeatable",
     )
     p.add_argument("--save-every", type=int, default=25, help="steps between training checkpoints")
     p.add_argument("--threads", type=int, default=2, help="torch threads")

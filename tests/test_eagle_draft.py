@@ -90,7 +90,7 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     then accepts every draft, and a run stopped half-way and resumed ends at the same draft, bit
     for bit, as a run that never stopped."""
     from sglang_frspec.demo.fixtures import perm_fixture
-    from tools.draft_training.run import DraftRun
+    from tools.draft_training.run import DraftRun, held_out_digest
 
     fixture = perm_fixture(vocab_size=512, hidden_size=64, num_hot=64)
     threads = torch.get_num_threads()
@@ -145,6 +145,16 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     data = both.evaluate(steps=3)["data"]
     assert data["steps"] == 14 and data["folders"] == ["whole", "more"]
     assert data["text_windows"] == 24 and data["generated_sequences"] == 32
+    # A run that held out other text is refused as more data and as a warm start: it may have
+    # trained on this run's held-out text.
+    other = run(tmp_path / "other")
+    other.corpus({"chain": ([chain], [" ".join(words[:128])])}, seq=24, prompt=8, gen_seqs=8, text_seqs=0,
+                 eval_seqs=4)  # fmt: skip
+    assert held_out_digest(other.work) != held_out_digest(whole.work) == held_out_digest(more.work)
+    with pytest.raises(ValueError, match="held out other text.*train from scratch"):
+        run(whole.work, checkpoint="x.pt", more_data=(other.work,)).train(epochs=1.0, **train)
+    with pytest.raises(ValueError, match="as a warm start it held out other text"):
+        run(whole.work, checkpoint="x.pt").train(epochs=1.0, init=other.work / "checkpoint.pt", **train)
 
     stopped = prepare(tmp_path / "stopped")
     stopped.train(epochs=2.0, stop_at=11, **train)  # a run stopped after 11 of 24 steps
@@ -169,6 +179,11 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     folder = tmp_path / "saved_draft"
     save_eagle_draft(folder, trained, json.loads((Path(fixture.target) / "config.json").read_text()), shape)
     from_folder = run(tmp_path / "stopped", checkpoint="from_folder.pt")
+    with pytest.raises(ValueError, match="recorded no held-out digest"):
+        from_folder.train(epochs=1.0, stop_at=0, init=folder, **train)
+    # what scripts/train_gemma3_draft.py's evaluate stage records beside the draft
+    record = {"manifest": {"held_out_digest": held_out_digest(whole.work)}}
+    (folder / "training.json").write_text(json.dumps(record))
     from_folder.train(epochs=1.0, stop_at=0, init=folder, **train)
     loaded = from_folder.trained_draft()
     assert loaded.keys() == trained.keys()

@@ -197,6 +197,17 @@ def warm_start(init: Path) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in torch.load(init)["draft"].items()}
 
 
+def held_out_digest(source: Path) -> str | None:
+    """The digest of the held-out texts recorded by ``source``: a run's work folder or one of its
+    checkpoints (``manifest.json``), or a saved draft folder (its ``training.json``); None if none."""
+    folder = source if source.is_dir() else source.parent
+    if (folder / "manifest.json").exists():
+        return json.loads((folder / "manifest.json").read_text()).get("held_out_digest")
+    if (folder / "training.json").exists():
+        return json.loads((folder / "training.json").read_text()).get("manifest", {}).get("held_out_digest")
+    return None
+
+
 def save_atomic(obj, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
@@ -395,6 +406,7 @@ class DraftRun:
         (another run's checkpoint) warm-starts the draft's weights with a fresh optimizer and
         schedule instead of a random init; a draft folder (``model.safetensors``, as shipped) works too.
         ``layers`` decoder layers: a warm start from fewer gains layers that start as the identity."""
+        self._check_same_held_out(init)
         folders = (self.work, *self.more_data)
         shards = [torch.load(p) for w in folders for p in sorted((w / "feat").glob("*.pt"))]
         assert len({s["ids"].shape[1] for s in shards}) == 1, "every data folder needs the same --seq"
@@ -452,6 +464,24 @@ class DraftRun:
                 )
         if start == end:  # nothing to train: the draft as it stands, for evaluate
             save(start)
+
+    def _check_same_held_out(self, init: Path | None) -> None:
+        """Refuse training data (``more_data``) or a warm start (``init``) from a run that held out
+        other text: it may have trained on this run's held-out text, which evaluate would then
+        score as never seen."""
+        mine = held_out_digest(self.work)
+        sources = [("more data", folder) for folder in self.more_data]
+        sources += [("a warm start", init)] if init else []
+        for role, source in sources:
+            theirs = held_out_digest(source)
+            if theirs != mine:
+                recorded = f"held out other text ({theirs[:12]})" if theirs else "recorded no held-out digest"
+                raise ValueError(
+                    f"{source}: as {role} it {recorded}; this run holds out {str(mine)[:12]}. Its training "
+                    "text may include this run's held-out text, so held-out figures would score memorized "
+                    "text. Use a run drawn from the same corpus split (the same held_out_digest in "
+                    "manifest.json), or train from scratch."
+                )
 
     def trained_draft(self) -> dict[str, torch.Tensor]:
         """The trained draft in bfloat16, as shipped."""
