@@ -717,18 +717,18 @@ def _target_batch(payload: dict, input_ids: torch.Tensor, speculative: bool):
     )
 
 
-def _target_graphs(payload: dict, layout: str, exchange: str) -> dict:
+def _target_graphs(payload: dict, layout: str, exchange: str, rejection_sampling: bool = False) -> dict:
     """One EAGLE step in graphs: the plugin's draft (``layout``, ``exchange``) and SGLang's
-    draft-decode runner draft each batch's tokens, which SGLang's target runner verifies
-    (TARGET_VERIFY, captured as the target's decode graphs); each replay is compared with the
-    target run eagerly on the same batch. Then the target's plain decode graph beside it."""
+    draft-decode runner draft each batch's tokens (sampled from the hot q under rejection
+    sampling), which SGLang's target runner verifies (TARGET_VERIFY, captured as the target's
+    decode graphs); each replay is compared with the target run eagerly on the same batch."""
     from sglang.srt.runtime_context import get_spec
 
     from sglang_frspec.core.options import EXCHANGE_ENV, LAYOUT_ENV
 
     os.environ[LAYOUT_ENV], os.environ[EXCHANGE_ENV] = layout, exchange
     target = _OneLayerTarget(payload["vocab"], payload["hidden"])
-    with get_spec().override(speculative_use_rejection_sampling=False):
+    with get_spec().override(speculative_use_rejection_sampling=rejection_sampling):
         worker = _plugin_worker(payload, target)
         draft_runner = _build_runner(worker, payload["steps"])
         verify_runner = _build_target_runner(_target_model_runner(payload, target, speculative=True))
@@ -736,8 +736,8 @@ def _target_graphs(payload: dict, layout: str, exchange: str) -> dict:
         out = {"mode": verify_runner.capture_forward_mode.name, "keys": sorted(k.size for k in graphs),
                "collectives": {str(k): g.collectives for k, g in graphs.items()}}  # fmt: skip
         for rows, seed, _ in payload["replays"]:
-            draft_input = _draft_input(rows, payload, seed, False)
-            draft_batch = _forward_batch(draft_input, rows, payload["steps"], 1.0)
+            draft_input = _draft_input(rows, payload, seed, rejection_sampling)
+            draft_batch = _forward_batch(draft_input, rows, payload["steps"], payload["temperature"])
             drafted = draft_runner.execute(draft_batch)[2].clone()  # [rows, steps] target ids
             g = torch.Generator().manual_seed(seed)
             ids = torch.cat([torch.randint(0, payload["vocab"], (rows, 1), generator=g), drafted], 1)
@@ -791,5 +791,6 @@ def recorded_eagle_graph_cases(payload: dict) -> dict:
         for exchange in ("full", "topk"):
             out[("extend", layout, exchange)] = _draft_extend_graph(payload, layout, exchange)
             out[("verify", layout, exchange)] = _target_graphs(payload, layout, exchange)
+    out[("verify", "balanced", "full", "rejection")] = _target_graphs(payload, "balanced", "full", True)
     out["target decode"] = _target_decode_graph(payload)
     return out | {"faults": _faults(payload)}

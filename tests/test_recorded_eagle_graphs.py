@@ -105,16 +105,20 @@ def test_draft_extend_replays_equal_eager(ranks, layout, exchange):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("layout", ["local", "balanced"])
-@pytest.mark.parametrize("exchange", ["full", "topk"])
-def test_target_verify_replays_the_plugins_drafts(ranks, layout, exchange):
-    """One EAGLE step in graphs: the plugin's draft-decode graph drafts target ids from the map,
-    and SGLang's target runner, captured in TARGET_VERIFY mode, verifies them: every replay (3
-    rows padded to 4) returns the full-vocab logits and hidden states of the target run eagerly
-    on the same batch, on both ranks, and each graph re-issues the embedding's all-reduce and the
+VERIFY_CASES = [("verify", lay, ex) for lay in ("local", "balanced") for ex in ("full", "topk")]
+VERIFY_CASES += [("verify", "balanced", "full", "rejection")]
+
+
+@pytest.mark.parametrize("case", VERIFY_CASES, ids="-".join)
+def test_target_verify_replays_the_plugins_drafts(ranks, case):
+    """One EAGLE step in graphs: the plugin's draft-decode graph drafts target ids from the map
+    (greedy in each layout and exchange; sampled from the hot q under rejection sampling), and
+    SGLang's target runner, captured in TARGET_VERIFY mode, verifies them: every replay (3 rows
+    padded to 4) returns the full-vocab logits and hidden states of the target run eagerly on the
+    same batch, on both ranks, and each graph re-issues the embedding's all-reduce and the
     logits' all-gather."""
     map_ids = set(skewed_ids(VOCAB, HOT))
-    outs = [rank[("verify", layout, exchange)] for rank in ranks]
+    outs = [rank[case] for rank in ranks]
     for out in outs:
         assert out["mode"] == "TARGET_VERIFY" and out["keys"] == CAPTURE_SIZES
         for rows, seed, _ in REPLAYS:
