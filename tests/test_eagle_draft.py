@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.draft_training.model import LayerShape, draft_hidden, init_draft, save_eagle_draft
+from tools.draft_training.model import LayerShape, draft_chains, draft_hidden, init_draft, save_eagle_draft
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "sglang_frspec" / "demo" / "gemma3_draft"
@@ -57,6 +57,31 @@ def test_draft_forward_equals_transformers_llama_layers_without_first_input_and_
         theirs = hf(inputs_embeds=fc).last_hidden_state
         ours = draft_hidden(draft, embed, ids, features, shape)
     assert (ours - theirs).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_draft_chains_equal_the_chain_drafted_position_by_position(layers):
+    """``draft_chains`` drafts every position's chain at once; each row must be the chain the
+    draft proposes when run from that prefix alone, step by step, each step reading the last
+    step's id and output (the forward over the whole extended sequence, as SGLang's draft runs
+    without a cache). Random weights, GQA, a hot head of 40 of 100 ids."""
+    shape = LayerShape(48, 4, 2, 16, 80, rope_theta=5000.0, eps=1e-5)
+    gen = torch.Generator().manual_seed(1)
+    draft = init_draft(48, shape, gen, layers)
+    embed, features = torch.randn(100, 48, generator=gen), torch.randn(14, 48, generator=gen)
+    ids = torch.randint(0, 100, (14,), generator=gen)
+    hot = torch.randperm(100, generator=gen)[:40].sort().values
+    head = torch.randn(40, 48, generator=gen)
+    steps = 3
+    chains = draft_chains(draft, embed, head, hot, ids, features, shape, steps)
+    assert chains.shape == (14, steps)
+    for b in range(14):
+        tokens, feats, drafted = ids[: b + 1], features[: b + 1], []
+        for _ in range(steps):
+            out = draft_hidden(draft, embed, tokens[None], feats[None], shape)[0, -1]
+            drafted.append(int(hot[(out @ head.T).argmax()]))
+            tokens, feats = torch.cat([tokens, torch.tensor([drafted[-1]])]), torch.cat([feats, out[None]])
+        assert chains[b].tolist() == drafted, b
 
 
 def test_shipped_gemma3_draft_is_small_complete_and_servable_at_tp2():
@@ -129,7 +154,11 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     agree = after["held_out_top1_agreement"]["chain_generated"]["agreement"]
     assert before["held_out_top1_agreement"]["chain_generated"]["agreement"] < 0.3
     assert agree > 15 / 23  # the 16 positions that follow the chain, about
-    assert after["offline_chain"]["chain_generated"]["tokens_per_verify"] > 3.5  # 4 at most, after the prompt
+    offline = after["offline_chain"]["chain_generated"]
+    assert offline["tokens_per_verify"] > 3.5  # 4 at most, after the prompt
+    # the same chains cut to 1 and 2 steps: at most 2 and 3 tokens per verify, all accepted here
+    by_steps = offline["tokens_per_verify_by_steps"]
+    assert by_steps[3] == offline["tokens_per_verify"] and 1.8 < by_steps[1] <= 2 < by_steps[2] <= 3
     assert after["data"]["steps"] == 24  # 2 epochs of 48 sequences in batches of 4
     # Both halves of the training data took part: 24 windows of text, 24 continuations.
     assert after["data"]["text_windows"] == 24 and after["data"]["generated_sequences"] == 24

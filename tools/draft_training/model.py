@@ -65,11 +65,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def rotary(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding of ``x [batch, heads, seq, head_dim]`` at positions 0..seq-1 (rotate_half)."""
+def rotary(x: torch.Tensor, theta: float = 10000.0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary embedding of ``x [..., seq, head_dim]`` at ``positions`` (broadcast against
+    ``x.shape[:-1]``; default 0..seq-1), rotate_half."""
     dim, seq = x.shape[-1], x.shape[-2]
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
+    at = torch.arange(seq, dtype=torch.float32) if positions is None else positions.float()
+    angles = at[..., None] * inv_freq
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
@@ -94,9 +96,12 @@ def init_layer(params: dict, prefix: str, gen: torch.Generator, input_ln: bool, 
         params[f"{prefix}input_layernorm.weight"] = torch.ones(shape.hidden)
 
 
-def layer(p: dict, prefix: str, x: torch.Tensor, shape: LayerShape) -> torch.Tensor:
-    """One decoder layer on ``x [batch, seq, hidden]`` with causal attention (the EAGLE draft's
-    first layer has no input norm: it reads the residual as it is)."""
+def attention_inputs(
+    p: dict, prefix: str, x: torch.Tensor, shape: LayerShape, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer's queries, keys and values of ``x [batch, seq, hidden]`` at ``positions``
+    (default 0..seq-1), rotated, the KV heads repeated: each ``[batch, heads, seq, head_dim]``
+    (the EAGLE draft's first layer has no input norm: it reads the residual as it is)."""
     batch, seq, _ = x.shape
     heads, kv, head_dim = shape.heads, shape.kv_heads, shape.head_dim
     norm_w = p.get(f"{prefix}input_layernorm.weight")
@@ -104,13 +109,26 @@ def layer(p: dict, prefix: str, x: torch.Tensor, shape: LayerShape) -> torch.Ten
     q = (h @ p[f"{prefix}self_attn.q_proj.weight"].T).view(batch, seq, heads, head_dim).transpose(1, 2)
     k = (h @ p[f"{prefix}self_attn.k_proj.weight"].T).view(batch, seq, kv, head_dim).transpose(1, 2)
     v = (h @ p[f"{prefix}self_attn.v_proj.weight"].T).view(batch, seq, kv, head_dim).transpose(1, 2)
-    q, k = rotary(q, shape.rope_theta), rotary(k, shape.rope_theta)
-    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, seq, -1)
+    q, k = rotary(q, shape.rope_theta, positions), rotary(k, shape.rope_theta, positions)
+    return q, k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+
+
+def after_attention(
+    p: dict, prefix: str, x: torch.Tensor, attn: torch.Tensor, shape: LayerShape
+) -> torch.Tensor:
+    """The rest of a decoder layer on ``x``, given its attention ``attn [batch, seq, heads * head_dim]``."""
     x = x + attn @ p[f"{prefix}self_attn.o_proj.weight"].T
     h = rms_norm(x, p[f"{prefix}post_attention_layernorm.weight"], shape.eps)
     gate, up = h @ p[f"{prefix}mlp.gate_proj.weight"].T, h @ p[f"{prefix}mlp.up_proj.weight"].T
     return x + (F.silu(gate) * up) @ p[f"{prefix}mlp.down_proj.weight"].T
+
+
+def layer(p: dict, prefix: str, x: torch.Tensor, shape: LayerShape) -> torch.Tensor:
+    """One decoder layer on ``x [batch, seq, hidden]`` with causal attention."""
+    batch, seq, _ = x.shape
+    q, k, v = attention_inputs(p, prefix, x, shape)
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, seq, -1)
+    return after_attention(p, prefix, x, attn, shape)
 
 
 def init_draft(hidden: int, shape: LayerShape, gen: torch.Generator, layers: int = 1) -> dict:
@@ -146,6 +164,57 @@ def draft_hidden(
     for i in range(draft_layers(p)):
         x = layer(p, f"layers.{i}.", x, shape)
     return x
+
+
+@torch.no_grad()
+def draft_chains(
+    p: dict,
+    embed: torch.Tensor,
+    head: torch.Tensor,
+    hot: torch.Tensor,
+    ids: torch.Tensor,
+    features: torch.Tensor,
+    shape: LayerShape,
+    steps: int,
+) -> torch.Tensor:
+    """The top-k 1 chain of ``steps`` ids the draft proposes after every position of one sequence,
+    as SGLang runs it, all at once: row b is drafted after the draft read ``ids[: b + 1]`` with
+    the target's ``features[: b + 1]`` (step 1, the teacher-forced output at b); each later step
+    reads the previous step's id and output at the next position and attends to the prefix and
+    to its own chain only. ``ids [seq]``, ``features [seq, hidden]`` -> ``[seq, steps]`` ids of
+    ``hot`` (argmax over the hot head ``head [H, hidden]``)."""
+    seq, layers = ids.shape[0], draft_layers(p)
+    x = (torch.cat([embed[ids], features], -1) @ p["fc.weight"].T + p["fc.bias"])[None]
+    prefix_kv = []  # per layer: the teacher-forced keys and values [heads, seq, head_dim]
+    for i in range(layers):
+        q, k, v = attention_inputs(p, f"layers.{i}.", x, shape)
+        prefix_kv.append((k[0], v[0]))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, seq, -1)
+        x = after_attention(p, f"layers.{i}.", x, attn, shape)
+    out = x[0]
+    chains = [hot[(out @ head.T).argmax(-1)]]
+    visible = torch.arange(seq)[None, :] <= torch.arange(seq)[:, None]  # [base b, prefix position j]
+    own_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]
+    for step in range(1, steps):
+        # one query per base position b, at position b + step; the batch is the base positions
+        y = (torch.cat([embed[chains[-1]], out], -1) @ p["fc.weight"].T + p["fc.bias"])[:, None]
+        positions = (torch.arange(seq) + step)[:, None, None]
+        for i in range(layers):
+            q, k, v = attention_inputs(p, f"layers.{i}.", y, shape, positions)  # [seq, heads, 1, head_dim]
+            own_kv[i].append((k, v))
+            prefix_k, prefix_v = prefix_kv[i]
+            own_k, own_v = (torch.cat(t, 2) for t in zip(*own_kv[i]))  # [seq, heads, step, head_dim]
+            to_prefix = torch.einsum("bhd,hjd->bhj", q[:, :, 0], prefix_k)
+            to_prefix = to_prefix.masked_fill(~visible[:, None], -math.inf)
+            to_own = torch.einsum("bhd,bhjd->bhj", q[:, :, 0], own_k)
+            scores = torch.cat([to_prefix, to_own], -1) / math.sqrt(shape.head_dim)
+            weights = scores.softmax(-1)
+            attn = torch.einsum("bhj,hjd->bhd", weights[..., :seq], prefix_v)
+            attn = attn + torch.einsum("bhj,bhjd->bhd", weights[..., seq:], own_v)
+            y = after_attention(p, f"layers.{i}.", y, attn.reshape(seq, 1, -1), shape)
+        out = y[:, 0]
+        chains.append(hot[(out @ head.T).argmax(-1)])
+    return torch.stack(chains, 1)
 
 
 def head_loss(

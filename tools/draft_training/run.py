@@ -28,7 +28,15 @@ import torch
 import torch.nn.functional as F
 
 from sglang_frspec.demo.texts import content_hash
-from tools.draft_training.model import LayerShape, adam, draft_hidden, draft_layers, grow_draft, init_draft
+from tools.draft_training.model import (
+    LayerShape,
+    adam,
+    draft_chains,
+    draft_hidden,
+    draft_layers,
+    grow_draft,
+    init_draft,
+)
 
 ROW_CHUNK = 1024  # rows per hot-head matmul in the loss: [1024, H] logits
 BOOTSTRAP_DRAWS = 2000  # resamples of documents for a 95% interval
@@ -515,16 +523,21 @@ class DraftRun:
             self.log(f"agreement {name}: {report['held_out_top1_agreement'][name]}")
             if name.endswith("_generated"):
                 greedy = s["argmax"][:, prompt - 1 : -1]  # the float32 target's tokens after the prompt
-                counts = [
-                    chain_accept(draft, embed, head, hot, self.shape, i.tolist(), prompt, f, steps, g)
-                    for i, f, g in zip(s["ids"], s["feats"], greedy.tolist())
+                chains = [
+                    draft_chains(draft, embed, head, hot, i[1:], f[:-1].float(), self.shape, steps)
+                    for i, f in zip(s["ids"], s["feats"])
                 ]
-                committed = torch.tensor([sum(c) for c in counts])
-                verifies = torch.tensor([len(c) for c in counts])
+                by_steps = {}
+                for depth in range(1, steps + 1):  # 1..steps draft steps: the same chains, cut
+                    counts = [chain_accept(c[:, :depth], prompt, g) for c, g in zip(chains, greedy.tolist())]
+                    committed = torch.tensor([sum(c) for c in counts])
+                    verifies = torch.tensor([len(c) for c in counts])
+                    by_steps[depth] = round(float(committed.sum() / verifies.sum()), 4)
                 report["offline_chain"][name] = {
-                    "tokens_per_verify": round(float(committed.sum() / verifies.sum()), 4),
+                    "tokens_per_verify": by_steps[steps],
                     "ci95": bootstrap_interval(committed, verifies, documents),
                     "verifies": int(verifies.sum()),
+                    "tokens_per_verify_by_steps": by_steps,
                     "sequences": len(s["ids"]),
                     "continuation_tokens_not_the_argmax": int((s["ids"][:, prompt:] != greedy).sum()),
                 }
@@ -565,24 +578,16 @@ class DraftRun:
         return report
 
 
-def chain_accept(
-    draft, embed, head, hot, shape, ids: list[int], prompt: int, feats, steps: int, greedy: list[int]
-) -> list[int]:
-    """Offline EAGLE chain (top-k 1) over one greedy continuation ``ids`` (its first ``prompt``
-    tokens the prompt) whose tokens the target commits are ``greedy`` (its argmax after each of
-    ``ids[prompt - 1 : -1]``): per verify, the tokens it commits (longest matching draft prefix +
-    the bonus). The draft reads the target's features ``feats`` up to the verified prefix and its
-    own for later steps, as SGLang runs it; ids are drafted over the hot head."""
-    done, counts = 1, []  # the prefill gave greedy[0]
+def chain_accept(chains: torch.Tensor, prompt: int, greedy: list[int]) -> list[int]:
+    """Offline EAGLE chain (top-k 1) over one greedy continuation: per verify, the tokens it
+    commits (longest matching draft prefix + the bonus). ``chains`` is ``draft_chains`` over the
+    continuation (its ids after BOS, the target's features before them): row ``t - 1`` the chain
+    drafted after the draft read ids ``1..t``; ``greedy`` the tokens the target commits after the
+    ``prompt`` (its argmax after each of ``ids[prompt - 1 : -1]``). A chain of fewer steps is the
+    first columns of a longer one."""
+    steps, done, counts = chains.shape[1], 1, []  # the prefill gave greedy[0]
     while done < len(greedy):
-        t = prompt + done - 1  # the last verified token's position
-        tokens, fs = torch.tensor(ids[1 : t + 1]), feats[:t].float()
-        drafted = []
-        for _ in range(steps):
-            out = draft_hidden(draft, embed, tokens[None], fs[None], shape)[0, -1]
-            token = int(hot[(out @ head.T).argmax()])
-            drafted.append(token)
-            tokens, fs = torch.cat([tokens, torch.tensor([token])]), torch.cat([fs, out[None]])
+        drafted = chains[prompt + done - 2].tolist()  # after the last verified token, ids[prompt + done - 1]
         match = 0
         while match < steps and done + match < len(greedy) and drafted[match] == greedy[done + match]:
             match += 1
