@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from unittest.mock import patch
 
@@ -53,12 +53,23 @@ def hot_draft_head(hot: int, hidden: int) -> torch.Tensor:
 
 def _recorded_backend(runner) -> RecordedGraphBackend:
     """What ``resolve_decode_backend`` returns here: recorded graphs that watch the buffers the
-    runner copies each batch into and the worker's tensors (``hot_token_id``), and compare each
-    capture's collectives over the TP group."""
+    runner copies each batch into and, for a draft runner, the worker's tensors (``hot_token_id``),
+    and compare each capture's collectives over the TP group."""
     from sglang.srt.runtime_context import get_parallel
 
-    owners = (runner, runner.buffers, runner.eagle_worker)
+    owners = (runner, runner.buffers, *filter(None, [getattr(runner, "eagle_worker", None)]))
     return RecordedGraphBackend(owners, group=get_parallel().tp_group.cpu_group)
+
+
+@contextlib.contextmanager
+def _recorded_capture(runner_class) -> Iterator[None]:
+    """Build ``runner_class`` (an SGLang graph runner) on recorded graphs: its backend, no capture stream."""
+    resolve = f"{runner_class.__module__}.resolve_decode_backend"
+    # SGLang brackets capture with two full gc.collect() passes (freeze_gc), about 1 s each in a
+    # rank holding SGLang's modules: half of this suite's capture time, and no part of a graph.
+    no_gc_freeze = patch(FREEZE_GC, lambda enable_cudagraph_gc: contextlib.nullcontext())
+    with patch(GRAPH_CAPTURE, _no_capture_stream), patch(resolve, _recorded_backend), no_gc_freeze:
+        yield
 
 
 @contextlib.contextmanager
@@ -287,11 +298,7 @@ def _build_runner(worker, steps: int, runner_class=None):
     from sglang.srt.speculative.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 
     runner_class = runner_class or EAGLEDraftCudaGraphRunner
-    resolve = f"{runner_class.__module__}.resolve_decode_backend"
-    # SGLang brackets capture with two full gc.collect() passes (freeze_gc), about 1 s each in a
-    # rank holding SGLang's modules: half of this suite's capture time, and no part of a graph.
-    no_gc_freeze = patch(FREEZE_GC, lambda enable_cudagraph_gc: contextlib.nullcontext())
-    with patch(GRAPH_CAPTURE, _no_capture_stream), patch(resolve, _recorded_backend), no_gc_freeze:
+    with _recorded_capture(runner_class):
         return runner_class(worker, speculative_num_steps=steps)
 
 
@@ -661,15 +668,8 @@ def _target_model_runner(payload: dict, model: _OneLayerTarget, speculative: boo
 def _build_target_runner(runner):
     """SGLang's decode graph runner of the target (TARGET_VERIFY under EAGLE) on recorded graphs."""
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
-    from sglang.srt.runtime_context import get_parallel
 
-    def backend(graph_runner):
-        owners = (graph_runner, graph_runner.buffers)
-        return RecordedGraphBackend(owners, group=get_parallel().tp_group.cpu_group)
-
-    resolve = f"{DecodeCudaGraphRunner.__module__}.resolve_decode_backend"
-    no_gc_freeze = patch(FREEZE_GC, lambda enable_cudagraph_gc: contextlib.nullcontext())
-    with patch(GRAPH_CAPTURE, _no_capture_stream), patch(resolve, backend), no_gc_freeze:
+    with _recorded_capture(DecodeCudaGraphRunner):
         return DecodeCudaGraphRunner(runner)
 
 

@@ -533,6 +533,7 @@ class DraftRun:
                     committed = torch.tensor([sum(c) for c in counts])
                     verifies = torch.tensor([len(c) for c in counts])
                     by_steps[depth] = round(float(committed.sum() / verifies.sum()), 4)
+                # the interval and counts below are of the full chain (depth == steps, the last pass)
                 report["offline_chain"][name] = {
                     "tokens_per_verify": by_steps[steps],
                     "ci95": bootstrap_interval(committed, verifies, documents),
