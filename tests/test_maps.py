@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing.pool
 import os
 import random
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -252,6 +254,32 @@ def test_api_is_deterministic_and_workers_agree(bpe, monkeypatch):
     # The cap cuts the stream in corpus order, so two workers' results were put back in order.
     first_tokens = [i for ids in bpe.encodings for i in ids][:3001]
     assert capped_2.counts.tolist() == reference_counts(Counter(first_tokens), bpe.id_space)
+
+
+def _slow_encode_in_worker(texts: list[str]):
+    time.sleep(0.5)  # still encoding when the consumer stops
+    return counting_module.encode_batch(counting_module._worker_tokenizer, texts)
+
+
+def test_a_capped_count_shuts_its_workers_down_cleanly(bpe, monkeypatch):
+    # The cap stops the consumer with tasks in flight. Terminating the pool then could kill a worker
+    # inside its result write, leaving the result queue's lock held and the shutdown hung (a CI run
+    # hung 900 s so): the workers must instead finish their tasks and exit on their own.
+    pools = []
+
+    class RecordedPool(multiprocessing.pool.Pool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(counting_module.multiprocessing, "Pool", RecordedPool)
+    monkeypatch.setattr(counting_module, "_BATCH_DOCUMENTS", 7)
+    # Pickled by reference: workers (forked after this patch) resolve the slow one.
+    monkeypatch.setattr(counting_module, "_encode_in_worker", _slow_encode_in_worker)
+    counts = count_tokens(bpe.tokenizer, [bpe.corpus], workers=2, max_tokens=10, progress=False)
+    assert int(counts.counts.sum()) == 10  # the first batch was enough; three were still in flight
+    (pool,) = pools
+    assert [worker.exitcode for worker in pool._pool] == [0, 0]  # exited, not SIGTERM-ed (-15)
 
 
 def test_max_tokens_counts_exactly_the_first_tokens(bpe):

@@ -73,14 +73,23 @@ def _encoded_batches(
             yield encode_batch(tokenizer, batch)
         return
     # Pool.imap would read the whole corpus ahead into its task queue: submit a bounded window.
-    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
-        pending: deque = deque()
+    pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,))
+    pending: deque = deque()
+    try:
         for batch in batches:
             pending.append(pool.apply_async(_encode_in_worker, (batch,)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+    finally:
+        # Never terminate() a pool with tasks in flight (as `with Pool` does when the consumer stops
+        # early, at max_tokens): a worker killed while it writes its result holds the result queue's
+        # lock forever, and the pool's shutdown then waits on that lock for good.
+        for result in pending:
+            result.wait()
+        pool.close()
+        pool.join()
 
 
 def count_tokens(
