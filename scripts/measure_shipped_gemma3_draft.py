@@ -13,6 +13,10 @@ from them. They are not the clean split's held-out sets: most of those were the 
 training files (all but 8 of the prose documents), which the shipped draft was trained on. Writes
 the scores with 95% intervals over documents to ``--out``, the sets' manifest beside it.
 
+``--held-out-of MANIFEST`` keeps only the documents that a later run's manifest also held out, so
+drafts of both splits are scored side by side on text neither trained on (``--draft``: each in
+turn; the sets are drawn once per work folder, which defaults to one per set of manifests).
+
 Run from the repository root: ``PYTHONPATH=. .venv/bin/python scripts/measure_shipped_gemma3_draft.py``
 (resumes from ``--work``).
 """
@@ -108,13 +112,23 @@ def never_trained(docs: list[Document], old: list[Document]) -> list[Document]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--work", type=Path, default=cache_root() / "gemma3-draft-measure")
+    p.add_argument("--work", type=Path, help="shards (resumed); default: one folder per --held-out-of set")
     p.add_argument("--draft", type=Path, default=SHIPPED)
     p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "gemma3-draft-never-trained.json")
     p.add_argument("--eval-seqs", type=int, default=192, help="held-out windows and continuations per domain")
     p.add_argument("--gen-batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--held-out-of",
+        type=Path,
+        action="append",
+        default=[],
+        help="a run's manifest.json: keep only the documents it held out too (repeatable)",
+    )
     args = p.parse_args()
+    later = [json.loads(path.read_text()) for path in args.held_out_of]
+    if args.work is None:
+        args.work = cache_root() / "-".join(["gemma3-draft-measure", *(m["held_out_digest"] for m in later)])
     torch.set_num_threads(args.threads)
     log = stderr_log()
     fixture = gemma3_fixture()
@@ -127,6 +141,9 @@ def main() -> None:
     corpus = [d for d in read if d.name in kept]
     old = old_training_documents()
     measured = never_trained(corpus, old)
+    for run_manifest in later:
+        held = {f["name"] for f in run_manifest["files"] if f["side"] == "held_out"}
+        measured = [d for d in measured if d.name in held]
     originals = {d.name: d.text for d in corpus}
     old_counts = {d: sum(doc.domain == d for doc in old) for d in ("code", "prose")}
     log(f"old training documents rebuilt: {old_counts}; never trained {len(measured)} of {len(corpus)}")
@@ -142,13 +159,13 @@ def main() -> None:
     run.generate(batch=args.gen_batch)
     run.features(topk=16)
     report = run.score(warm_start(args.draft), CHAIN_STEPS)
-    shipped = json.loads((args.draft / "training.json").read_text())["data"]["domains"]
+    domains = json.loads((args.draft / "training.json").read_text())["data"]["domains"]
     manifest_copy = args.out.with_name(f"{args.out.stem}-manifest.json")
     shutil.copyfile(args.work / "manifest.json", manifest_copy)
     report["held_out_sets"] = {
-        "rule": "the clean corpus's documents the old split did not train on, less its lines",
+        "rule": "the clean corpus's documents the old split did not train on, less its lines"
+        + "".join(f", held out by the run of held-out digest {m['held_out_digest']}" for m in later),
         "old_split_training_documents_rebuilt": old_counts,
-        "old_split_counts_recorded": {d: shipped[d]["train_files"] for d in shipped},
         "clean_corpus_documents_old_training": len(corpus) - len(measured),
         "characters_of_old_training_lines_removed": sum(
             len(originals[d.name]) - len(d.text) for d in measured
@@ -156,6 +173,8 @@ def main() -> None:
         "documents": {d: sum(doc.domain == d for doc in measured) for d in ("code", "prose")},
         "manifest": manifest_copy.name,
     }
+    if all("train_files" in counts for counts in domains.values()):  # a draft of the old split
+        report["held_out_sets"]["old_split_counts_recorded"] = {d: domains[d]["train_files"] for d in domains}
     report["draft"] = str(args.draft.relative_to(REPO) if args.draft.is_relative_to(REPO) else args.draft)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     log(f"wrote {args.out}")
