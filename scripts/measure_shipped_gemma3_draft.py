@@ -140,7 +140,7 @@ def main() -> None:
     kept = {d.name for split in split_documents(read) for d in split}  # de-duplicated
     corpus = [d for d in read if d.name in kept]
     old = old_training_documents()
-    measured = never_trained(corpus, old)
+    never = measured = never_trained(corpus, old)
     for run_manifest in later:
         held = {f["name"] for f in run_manifest["files"] if f["side"] == "held_out"}
         measured = [d for d in measured if d.name in held]
@@ -166,7 +166,8 @@ def main() -> None:
         "rule": "the clean corpus's documents the old split did not train on, less its lines"
         + "".join(f", held out by the run of held-out digest {m['held_out_digest']}" for m in later),
         "old_split_training_documents_rebuilt": old_counts,
-        "clean_corpus_documents_old_training": len(corpus) - len(measured),
+        "clean_corpus_documents_old_training": len(corpus) - len(never),
+        "never_trained_documents_trained_on_by_later_runs": len(never) - len(measured),
         "characters_of_old_training_lines_removed": sum(
             len(originals[d.name]) - len(d.text) for d in measured
         ),
