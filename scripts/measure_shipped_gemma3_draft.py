@@ -146,7 +146,7 @@ def main() -> None:
         measured = [d for d in measured if d.name in held]
     originals = {d.name: d.text for d in corpus}
     old_counts = {d: sum(doc.domain == d for doc in old) for d in ("code", "prose")}
-    log(f"old training documents rebuilt: {old_counts}; never trained {len(measured)} of {len(corpus)}")
+    log(f"old training documents rebuilt: {old_counts}; measured {len(measured)} of {len(corpus)} documents")
     run.corpus(
         split_by_domain([], measured),
         seq=160,
