@@ -57,6 +57,9 @@ OUT = REPO / "sglang_frspec" / "demo" / "gemma3_draft"
 HOT = 32768  # the demo's map: the draft's loss is over these rows
 STAGES = ("corpus", "generate", "features", "train", "evaluate")
 CHAIN = (3, 1, 4)  # served chain: steps, topk, draft tokens
+# options evaluate's record leaves out: paths, and the train stage's (the checkpoint records those)
+NOT_EVALUATE_ARGS = ("work", "out", "more_data", "batch", "epochs", "lr", "ce_weight", "unroll", "save_every",
+                     "init", "layers")  # fmt: skip
 TREE = (3, 2, 6)  # served small tree
 
 
@@ -166,7 +169,8 @@ def main() -> None:
         report |= {
             "script": "scripts/train_gemma3_draft.py",
             "git_commit": commit.strip(),
-            "args": {k: str(v) for k, v in vars(args).items() if k not in ("work", "out", "more_data")},
+            # the train stage's options come from the checkpoint (training_settings), not this command
+            "args": {k: str(v) for k, v in vars(args).items() if k not in NOT_EVALUATE_ARGS},
             "target": "Gemma 3 270M (sglang_frspec/demo/gemma3.py, float32)",
         }
         save_eagle_draft(args.out, run.trained_draft(), cfg, shape)

@@ -160,6 +160,9 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     by_steps = offline["tokens_per_verify_by_steps"]
     assert by_steps[3] == offline["tokens_per_verify"] and 1.8 < by_steps[1] <= 2 < by_steps[2] <= 3
     assert after["data"]["steps"] == 24  # 2 epochs of 48 sequences in batches of 4
+    # the training's own settings, not the evaluating command's defaults
+    settings = dict(batch=4, epochs=2.0, lr=1e-2, ce_weight=1.0, unroll=2, layers=1, init=None)
+    assert after["training_settings"] == settings
     # Both halves of the training data took part: 24 windows of text, 24 continuations.
     assert after["data"]["text_windows"] == 24 and after["data"]["generated_sequences"] == 24
 
@@ -199,7 +202,10 @@ def test_training_pipeline_learns_a_tiny_target_and_resumes_to_the_same_draft(tm
     untrained = warm.trained_draft()
     assert all(torch.equal(untrained[k], straight[k]) for k in straight)
     warm.train(epochs=1.0, init=whole.work / whole.checkpoint, **train | {"lr": 1e-3})
-    assert warm.evaluate(steps=3)["data"]["steps"] == 12
+    warm_report = warm.evaluate(steps=3)
+    assert warm_report["data"]["steps"] == 12
+    init = str(whole.work / whole.checkpoint)
+    assert warm_report["training_settings"] == settings | {"epochs": 1.0, "lr": 1e-3, "init": init}
     trained, kept = warm.trained_draft(), stopped.trained_draft()
     assert not all(torch.equal(trained[k], straight[k]) for k in straight)
     assert all(torch.equal(kept[k], straight[k]) for k in straight)

@@ -443,10 +443,14 @@ class DraftRun:
             sched.load_state_dict(state["sched"])
         self.log(f"train: {count} sequences of {tokens + 1} tokens, steps {start}..{end} of {steps}")
 
+        # what evaluate reports as the training's settings (its own command line has other defaults)
+        settings = dict(batch=batch, epochs=epochs, lr=lr, ce_weight=ce_weight, unroll=unroll, layers=layers)
+        settings["init"] = None if init is None else str(init)
+
         def save(step: int) -> None:
             params = {k: v.detach() for k, v in draft.items()}
             state = {"step": step, "draft": params, "opt": opt.state_dict(), "sched": sched.state_dict()}
-            save_atomic(state | {"losses": losses}, path)
+            save_atomic(state | {"losses": losses, "settings": settings}, path)
 
         per_epoch = count // batch
         started = time.monotonic()
@@ -563,6 +567,7 @@ class DraftRun:
             "generated_tokens": generated * (corpus["seq"] - corpus["prompt"]),
             "steps": state["step"],
         }
+        report["training_settings"] = state.get("settings")  # None: a checkpoint from before they were saved
         report["losses_every_100_steps"] = [
             round(sum(state["losses"][i : i + 100]) / len(state["losses"][i : i + 100]), 4)
             for i in range(0, len(state["losses"]), 100)
