@@ -57,10 +57,10 @@ OUT = REPO / "sglang_frspec" / "demo" / "gemma3_draft"
 HOT = 32768  # the demo's map: the draft's loss is over these rows
 STAGES = ("corpus", "generate", "features", "train", "evaluate")
 CHAIN = (3, 1, 4)  # served chain: steps, topk, draft tokens
+TREE = (3, 2, 6)  # served small tree
 # options evaluate's record leaves out: paths, and the train stage's (the checkpoint records those)
 NOT_EVALUATE_ARGS = ("work", "out", "more_data", "batch", "epochs", "lr", "ce_weight", "unroll", "save_every",
                      "init", "layers")  # fmt: skip
-TREE = (3, 2, 6)  # served small tree
 
 
 def parse() -> argparse.Namespace:
