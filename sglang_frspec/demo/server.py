@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -121,12 +122,27 @@ def new_python(env: dict, args: list[str], log_path: Path) -> subprocess.Popen:
         )
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise ``SystemExit`` in this process, so ``with SGLangServer`` blocks stop
+    their servers on the way out.
+
+    By default SIGTERM (``timeout``, a job scheduler, ``kill``) ends Python without running
+    ``__exit__`` or ``finally``, and the server trees, each in a session of its own, keep a core
+    busy each. Only from the main thread (where Python runs handlers) and only where SIGTERM still
+    has its default action: a handler the program set itself is kept."""
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 class SGLangServer:
     """One ``sglang.launch_server`` process tree on a free loopback port.
 
     Use as a context manager; ``log_path`` keeps the server's stdout and stderr. ``launch``
     starts the launcher process (a new Python by default; the tests fork it from a Python that
-    has already imported SGLang).
+    has already imported SGLang). Starting one makes SIGTERM stop it too (``exit_on_sigterm``).
     """
 
     def __init__(
@@ -159,6 +175,7 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.write_text(f"$ ({self.launch.__name__}) python -m {LAUNCHER} {' '.join(args)}\n")
         self.started_at = time.monotonic()
+        exit_on_sigterm()
         self.proc = self.launch(self.env, args, self.log_path)
         return self
 
