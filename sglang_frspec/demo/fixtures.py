@@ -12,6 +12,7 @@ The hot set holds two cycles: a small one inside rank 0's TP=2 half (``low_chain
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -247,19 +248,21 @@ def cached_build(root: Path, build: Callable[[Path], None], marker: str) -> Path
     """Build ``root`` once: ``build(staging)`` fills a fresh folder, renamed into place when done.
 
     ``marker`` is a file ``build`` writes last; its presence means a complete earlier build.
+    Concurrent callers (the test suite's background builds and the test that needs one) build it
+    once: the others wait on a lock file beside it, then find the marker.
     """
-    if not (root / marker).exists():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
-        try:
-            build(staging / "build")
+    if (root / marker).exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f"{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released at close, and by the kernel if this process dies
+        if not (root / marker).exists():
+            staging = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
             try:
+                build(staging / "build")
                 (staging / "build").rename(root)
-            except OSError:  # another process finished the same build first
-                if not (root / marker).exists():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
     return root
 
 

@@ -1,11 +1,13 @@
-"""``SGLangServer`` (the demo's, the benchmarks' and the tests' server helper) stops its process
-tree however its owner ends, SIGTERM included."""
+"""The demo package's helpers that the tests and benchmarks share: ``SGLangServer`` stops its
+process tree however its owner ends, SIGTERM included; ``cached_build`` builds a fixture once
+when several processes ask for it at the same time."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 
@@ -57,3 +59,40 @@ def test_a_runner_ended_by_sigterm_stops_its_server(tmp_path):
         runner.kill()
         if server_pid is not None and psutil.pid_exists(server_pid):
             psutil.Process(server_pid).kill()
+
+
+# Builds the fixture folder argv[1] with cached_build: each build is recorded in argv[2] and waits
+# for the file argv[3] before it finishes.
+CACHED_BUILDER = """
+import sys, time
+from pathlib import Path
+from sglang_frspec.demo.fixtures import cached_build
+
+def build(path):
+    with open(sys.argv[2], "a") as builds:
+        builds.write("build\\n")
+    while not Path(sys.argv[3]).exists():
+        time.sleep(0.05)
+    path.mkdir()
+    (path / "done").write_text("")
+
+print("asking", flush=True)
+cached_build(Path(sys.argv[1]), build, marker="done")
+"""
+
+
+def test_concurrent_cached_builds_of_one_fixture_build_it_once(tmp_path):
+    root, builds, release = tmp_path / "cache" / "fixture", tmp_path / "builds.txt", tmp_path / "release"
+    args = [sys.executable, "-c", CACHED_BUILDER, str(root), str(builds), str(release)]
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    second = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline() == second.stdout.readline() == "asking\n"
+        time.sleep(1.0)  # both are in cached_build now: one builds, the other waits (or builds too)
+        release.touch()
+        assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
+        assert builds.read_text().splitlines() == ["build"]
+        assert (root / "done").exists()
+    finally:
+        first.kill()
+        second.kill()
