@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -13,8 +14,8 @@ import pytest
 from hypothesis import settings
 
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, CPU_SITE, cpu_env, eagle_args
-from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture
-from sglang_frspec.demo.server import Launch, SGLangServer
+from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, cache_root, perm_fixture
+from sglang_frspec.demo.server import Launch, SGLangServer, kill_tree
 from tests.harness.gpu_defaults.overlap import SITE as GPU_DEFAULTS_SITE
 from tests.harness.gpu_defaults.overlap import overlap_env
 from tools.serving.zygote import ZYGOTES_STARTED, forked_launch
@@ -163,6 +164,46 @@ def pytest_collection_modifyitems(items):
             2 if item.get_closest_marker("server") else 1 if item.get_closest_marker("multirank") else 0
         )
     )
+
+
+# Fixtures that take minutes to build, by the test files that use them. A session that collects
+# such a file starts the build at once, in a Python of its own at nice 19: it runs on the core time
+# the unit tier leaves idle (most unit tests keep one core busy), and the first test that needs the
+# fixture waits for it on cached_build's lock instead of building it again. Logs:
+# <cache>/background-builds/.
+BACKGROUND_BUILDS = {
+    "tools.draft_training.trained_fixture.trained_fixture": ("test_trained.py", "test_benchmarks.py"),
+    "sglang_frspec.demo.gemma3.gemma3_fixture": ("test_gemma3.py",),
+}
+_BACKGROUND_BUILDERS: list[subprocess.Popen] = []
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    files = {item.path.name for item in session.items}
+    for builder, users in BACKGROUND_BUILDS.items():
+        if files.isdisjoint(users):
+            continue
+        module, function = builder.rsplit(".", 1)
+        log = cache_root() / "background-builds" / f"{function}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as out:
+            builder_process = subprocess.Popen(
+                [sys.executable, "-c", f"import {module}; {builder}()"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # kill_tree ends it with its children
+                preexec_fn=lambda: os.nice(19),
+            )
+        _BACKGROUND_BUILDERS.append(builder_process)
+
+
+def pytest_sessionfinish(session):
+    """A build still running when the session ends (a failed or partial run) is stopped."""
+    for builder_process in _BACKGROUND_BUILDERS:
+        if builder_process.poll() is None:
+            kill_tree(builder_process.pid, graceful=False)
 
 
 _SESSION_START = time.monotonic()
