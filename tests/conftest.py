@@ -190,11 +190,10 @@ def pytest_collection_finish(session):
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as out:
             builder_process = subprocess.Popen(
-                [sys.executable, "-c", f"import {module}; {builder}()"],
+                ["nice", "-n", "19", sys.executable, "-c", f"import {module}; {builder}()"],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # kill_tree ends it with its children
-                preexec_fn=lambda: os.nice(19),
             )
         _BACKGROUND_BUILDERS.append(builder_process)
 
