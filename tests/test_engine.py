@@ -45,10 +45,10 @@ def test_drop_in_worker_class_without_the_plugin(perm, tmp_path):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dropin-user-plugin\nVersion: 0.0.0\n")
     (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\ndropin = dropin_user_plugin:register\n")
     env = cpu_env(2, with_plugin=False)
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
     env["SGLANG_PLUGINS"] += ",dropin"
     prompt = list(perm.chain[:3])
-    [out] = run_engine(engine_kwargs(perm, 2, perm.token_map("hot")), [greedy(prompt)], env)
+    kwargs = engine_kwargs(perm, 2, perm.token_map("hot"))
+    [out] = run_engine(kwargs, [greedy(prompt)], env, tmp_path, import_paths=(str(tmp_path),))
     assert out["output_ids"] == list(perm.chain[3 : 3 + NEW])
     assert out["meta_info"]["spec_accept_length"] == 3.0
 
@@ -68,7 +68,9 @@ def test_update_weights_from_tensor_refreshes_the_hot_head(perm, tmp_path):
     assert expected != list(perm.chain[3 : 3 + NEW])
 
     steps = [greedy(prompt), {"update_lm_head": str(tmp_path / "lm_head.pt")}, greedy(prompt)]
-    before, update, after = run_engine(engine_kwargs(perm, 2, perm.token_map("hot")), steps, cpu_env(2))
+    before, update, after = run_engine(
+        engine_kwargs(perm, 2, perm.token_map("hot")), steps, cpu_env(2), tmp_path
+    )
     assert before["meta_info"]["spec_accept_length"] == 3.0
     assert update[0] is True, update
     assert after["output_ids"] == expected
