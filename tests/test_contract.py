@@ -8,7 +8,6 @@ import importlib.metadata
 import importlib.util
 import json
 import re
-import sys
 import zipfile
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from sglang_frspec.adapters.contract_check import (
 )
 from sglang_frspec.adapters.hooks import HOOKS, hook_target
 from sglang_frspec.demo.cpu import cpu_env
-from tools.serving.zygote import LAUNCHER_PRELOAD, fork_module
+from tests.harness.forked_python import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 SITE = Path(importlib.util.find_spec("sglang").origin).parent.parent  # the folder holding sglang/
@@ -142,56 +141,45 @@ def test_the_source_check_names_each_kind_of_change(tmp_path, change):
     assert any(expected in problem for problem in found), found
 
 
-def _live_child(fault: str, target: str, draft: str, token_map: str) -> None:
-    """In a child forked from a zygote that has imported SGLang but loaded no plugin: apply
-    ``fault`` to SGLang's classes, load the plugins as SGLang does, resolve server arguments at
-    TP 1 and 2; print the hooks installed and the resolutions."""
-    import logging
-
-    # force: the zygote's SGLang imports have already given the root logger a handler.
-    logging.basicConfig(
-        level=logging.ERROR, stream=sys.stdout, format="LOG %(name)s: %(message)s", force=True
-    )
-    from sglang.srt.layers.logits_processor import LogitsProcessor
-    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    if fault == "renamed method":
-        LogitsProcessor._get_logits_v2 = LogitsProcessor._get_logits
-        del LogitsProcessor._get_logits
-    elif fault == "changed signature":
-
-        def _get_indices(cls, vocab_size_padded, org_vocab_size_padded, vocab_size, org_vocab_size, rank):
-            raise AssertionError("not called")
-
-        VocabParallelEmbedding._get_indices = classmethod(_get_indices)
-    from sglang.srt.arg_groups import resolution_hooks
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang.srt.server_args import ServerArgs
-
-    load_plugins()  # SGLang's own discovery: SGLANG_PLUGINS=frspec, then register(), then apply_hooks()
-    result = {"hooks": sorted(HookRegistry._hooks), "patched": sorted(HookRegistry._patched),
-              "resolution": sorted(resolution_hooks._HOOKS)}  # fmt: skip
-    for tp in (1, 2):
-        args = ServerArgs(model_path=target, tp_size=tp, device="cpu", speculative_algorithm="EAGLE",
-                          speculative_draft_model_path=draft, speculative_token_map=token_map)  # fmt: skip
-        try:
-            args.resolve_once()
-            result[f"tp{tp}"] = "resolved"
-        except Exception as e:
-            result[f"tp{tp}"] = f"{type(e).__name__}: {e}"
-    print("RESULT", json.dumps(result), flush=True)
+LIVE_SCRIPT = """
+import json, logging, sys
+logging.basicConfig(level=logging.ERROR, stream=sys.stdout, format="LOG %(name)s: %(message)s",
+                    force=True)
+fault, target, draft, token_map = sys.argv[1:]
+from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+if fault == "renamed method":
+    LogitsProcessor._get_logits_v2 = LogitsProcessor._get_logits
+    del LogitsProcessor._get_logits
+elif fault == "changed signature":
+    def _get_indices(cls, vocab_size_padded, org_vocab_size_padded, vocab_size, org_vocab_size, rank):
+        raise AssertionError("not called")
+    VocabParallelEmbedding._get_indices = classmethod(_get_indices)
+from sglang.srt.arg_groups import resolution_hooks
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.server_args import ServerArgs
+load_plugins()  # SGLang's own discovery: SGLANG_PLUGINS=frspec, then register(), then apply_hooks()
+result = {"hooks": sorted(HookRegistry._hooks), "patched": sorted(HookRegistry._patched),
+          "resolution": sorted(resolution_hooks._HOOKS)}
+for tp in (1, 2):
+    args = ServerArgs(model_path=target, tp_size=tp, device="cpu", speculative_algorithm="EAGLE",
+                      speculative_draft_model_path=draft, speculative_token_map=token_map)
+    try:
+        args.resolve_once()
+        result[f"tp{tp}"] = "resolved"
+    except Exception as e:
+        result[f"tp{tp}"] = f"{type(e).__name__}: {e}"
+print("RESULT", json.dumps(result), flush=True)
+"""
 
 
 def _run_live(fault: str, perm, folder: Path) -> tuple[dict, list[str]]:
-    """``_live_child`` forked from the zygote of this environment (SGLang's imports done once for
-    every fault: a fresh Python per fault cost ~40 s of import each)."""
     env = cpu_env(1) | {"SGLANG_PLUGINS": "frspec"}
-    log = folder / "live.log"
     args = [fault, perm.target, perm.draft, perm.token_map("hot")]
-    status = fork_module(env, LAUNCHER_PRELOAD, __name__, args, log).wait(timeout=600)
-    lines = log.read_text(errors="replace").splitlines()
-    assert status == 0, "\n".join(lines[-60:])
+    status, output = run_python(LIVE_SCRIPT, args, env, folder / "live.log")
+    assert status == 0, output[-3000:]
+    lines = output.splitlines()
     (result,) = [json.loads(line[len("RESULT ") :]) for line in lines if line.startswith("RESULT ")]
     return result, [line for line in lines if line.startswith("LOG sglang_frspec")]
 
@@ -262,7 +250,3 @@ def test_readme_compatibility_table_matches_the_check_of_the_installed_release()
     generated = contract.compatibility_table([(INSTALLED, found)], tested=_pins()["sglang"]).splitlines()
     assert readme_lines[:2] == generated[:2]
     assert [line for line in readme_lines if line.startswith(f"| {INSTALLED} |")] == generated[2:]
-
-
-if __name__ == "__main__":
-    _live_child(*sys.argv[1:])

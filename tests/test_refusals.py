@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,6 +17,7 @@ from sglang_frspec.demo.cpu import cpu_env
 from sglang_frspec.demo.server import ServerError
 from tests import rank_cases_adapt, rank_cases_adapters
 from tests.conftest import fixture_server
+from tests.harness.forked_python import run_python
 from tests.harness.tp_group import run_tp_group
 from tests.rank_cases_adapters import skewed_ids
 
@@ -149,7 +148,7 @@ def test_tied_draft_fails_on_every_rank(perm, start_server, tmp_path):
     assert LOAD_WEIGHTS in log
 
 
-def test_hook_guard_rejects_tp_maps_when_hooks_are_not_active(perm):
+def test_hook_guard_rejects_tp_maps_when_hooks_are_not_active(perm, tmp_path):
     """register() ran but SGLang did not apply the hooks: refuse, naming the hook."""
     script = f"""
 from sglang.srt.server_args import ServerArgs
@@ -168,15 +167,14 @@ HookRegistry.apply_hooks()
 check_speculative_args(args, lambda a: None)
 print("ACCEPTED after apply_hooks")
 """
-    out = subprocess.run([sys.executable, "-c", script], env=cpu_env(2), capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "REFUSED: sglang-frspec is loaded but its hook(s) on" in out.stdout
-    assert "EagleDraftWorker.init_lm_head" in out.stdout
-    assert out.stdout.rstrip().endswith("ACCEPTED after apply_hooks")
+    status, output = run_python(script, [], cpu_env(2), tmp_path / "child.log", timeout=300)
+    assert status == 0, output[-3000:]
+    assert "REFUSED: sglang-frspec is loaded but its hook(s) on" in output
+    assert "EagleDraftWorker.init_lm_head" in output
+    assert output.rstrip().endswith("ACCEPTED after apply_hooks")
 
 
-def test_quantized_or_packed_heads_are_rejected():
+def test_quantized_or_packed_heads_are_rejected(tmp_path):
     """A real SGLang ParallelLMHead built with a quantization config that packs the head."""
     script = """
 from sglang.srt.layers.quantization.gguf import GGUFConfig
@@ -190,12 +188,9 @@ with get_parallel().override(tp_rank=0, tp_size=1):
     except Exception as e:
         print(type(e).__name__, e)
 """
-    out = subprocess.run([sys.executable, "-c", script], env=cpu_env(1), capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.startswith(
-        "UnsupportedSetupError the target LM head is quantized (GGUFEmbeddingMethod)"
-    )
+    status, output = run_python(script, [], cpu_env(1), tmp_path / "child.log", timeout=300)
+    assert status == 0, output[-3000:]
+    assert output.startswith("UnsupportedSetupError the target LM head is quantized (GGUFEmbeddingMethod)")
 
 
 @pytest.mark.multirank
@@ -256,7 +251,7 @@ messages = []
 class Collect(logging.Handler):
     def emit(self, record):
         messages.append(record.getMessage())
-logging.basicConfig(level=logging.WARNING, handlers=[Collect()])
+logging.basicConfig(level=logging.WARNING, handlers=[Collect()], force=True)
 from sglang.srt.plugins import load_plugins
 load_plugins()  # as the launcher does: this plugin (SGLANG_PLUGINS) registers and applies its hooks
 import os
@@ -312,11 +307,12 @@ def resolved(perm, tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
         ]
         for name, extra, env in cases.values()
     ]
-    out = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(fields)], env=cpu_env(2),
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = [json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("CASE ")]
-    assert len(results) == len(cases), out.stdout[-3000:]
+    status, output = run_python(
+        RESOLVE, [json.dumps(fields)], cpu_env(2), tmp_path / "resolve.log", timeout=300
+    )
+    assert status == 0, output[-3000:]
+    results = [json.loads(line[5:]) for line in output.splitlines() if line.startswith("CASE ")]
+    assert len(results) == len(cases), output[-3000:]
     return {case: (result, messages) for case, (result, messages) in zip(cases, results)}
 
 
