@@ -27,6 +27,12 @@ for _key, _value in cpu_env(1).items():
     if _key.startswith(("SGLANG_", "TORCHDYNAMO")):
         os.environ.setdefault(_key, _value)
 sys.path.insert(0, str(CPU_SITE))
+# Importing sglang sets its third-party cache variables in os.environ (TRITON_CACHE_DIR and others,
+# sglang/__init__.py). Done here, before any zygote starts, the environment every zygote is keyed on
+# stays the same all session; done by the first test that imports SGLang, it changed the key of
+# every later zygote (each a new ~20 s import). The session imports SGLang anyway.
+import sglang  # noqa: E402, F401
+
 # Rank processes of run_tp_group import tests.rank_cases; every process finds the overlap plugin's
 # entry point (loaded where SGLANG_PLUGINS names it), so PYTHONPATH is the same for all zygotes.
 os.environ["PYTHONPATH"] = os.pathsep.join(

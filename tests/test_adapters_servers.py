@@ -15,6 +15,7 @@ import torch
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
 from sglang_frspec.demo.server import SGLangServer
 from tests.test_servers_plugin import generate_chains
+from tools.serving.zygote import forked_launch
 
 pytestmark = [pytest.mark.server, pytest.mark.multirank]
 EXIT_TIMEOUT = 240  # seconds a failing start-up may take before we call it a hang
@@ -112,7 +113,8 @@ def test_unreadable_target_config_defers_the_map_check_to_every_rank(perm, tmp_p
     env["PYTHONPATH"] = os.pathsep.join([plugin_site, env["PYTHONPATH"]])
     args = ["--model-path", target, "--tp-size", "2", *CPU_SERVER_ARGS, "--model-config-parser", "renamed",
             *eagle_args(perm.draft, str(bad_map))]  # fmt: skip
-    server = SGLangServer(args, env, tmp_path / "server.log").start()
+    # Forked: its own PYTHONPATH starts a zygote of its own (~20 s), a new Python four fresh imports.
+    server = SGLangServer(args, env, tmp_path / "server.log", launch=forked_launch).start()
     try:
         status = server.wait_exit(EXIT_TIMEOUT)
     finally:

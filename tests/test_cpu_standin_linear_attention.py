@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_frspec.demo.cpu import CPU_SITE
+from sglang_frspec.demo.cpu import CPU_SITE, cpu_env
+from tests.harness.forked_python import run_python
 from tests.harness.triton_child import run_interpreted
 
 pytest.importorskip("triton")
@@ -549,20 +550,11 @@ print("device", device)
 """
 
 
-def test_cpu_plugin_runs_qwen3_next_paths_on_cpu():
+def test_cpu_plugin_runs_qwen3_next_paths_on_cpu(tmp_path):
     """With the CPU-test plugin registered (in a child: its hooks are process-wide), Qwen3-Next's
     paths that launch Triton on a CPU without AMX run on CPU: fla's FusedRMSNormGated, built as
     Qwen3-Next builds it, equals Transformers' Qwen3NextRMSNormGated, and SGLang's shared-expert
     gate equals sigmoid(h . w) * shared + out."""
-    import os
-    import subprocess
-    import sys
-
-    env = os.environ | {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(CPU_SITE), os.environ.get("PYTHONPATH")]))
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", PLUGIN_CHILD], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "device cpu" in run.stdout
+    status, output = run_python(PLUGIN_CHILD, [], cpu_env(1), tmp_path / "child.log", timeout=300)
+    assert status == 0, output[-3000:]
+    assert "device cpu" in output
