@@ -197,6 +197,10 @@ def pytest_collection_finish(session):
         with open(log, "w") as out:
             builder_process = subprocess.Popen(
                 ["nice", "-n", "19", sys.executable, "-c", f"import {module}; {builder}()"],
+                # One thread: two OpenMP teams on two cores spin at their barriers while a peer
+                # thread is descheduled, so a two-thread build beside the tests wastes the core
+                # time it takes from them.
+                env=os.environ | {"OMP_NUM_THREADS": "1"},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # kill_tree ends it with its children
