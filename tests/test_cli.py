@@ -11,12 +11,7 @@ import torch
 
 from sglang_frspec import __version__
 from sglang_frspec.core import vocab_shard_ranges
-
-
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sglang_frspec", *args], capture_output=True, text=True, timeout=timeout
-    )
+from tests.harness.cli import cli
 
 
 def test_version_and_help():
@@ -68,7 +63,9 @@ def test_demo_on_the_permutation_fixture(tmp_path):
     """``demo --fixture perm`` (Llama-3-size vocab, TP=2, CPU): its drafts are always accepted.
     (The default, Gemma 3 270M, is the README's main job: tests/test_gemma3.py.)"""
     args = ["--fixture", "perm", "--skip-stock", "--requests", "4", "--one-at-a-time", "1"]
-    out = cli("demo", *args, "--max-new-tokens", "24", "--log-dir", str(tmp_path), timeout=900)
+    # A new Python, as a user's: the demo's own process and its servers' (spawned schedulers).
+    command = [sys.executable, "-m", "sglang_frspec", "demo", *args, "--max-new-tokens", "24"]
+    out = subprocess.run([*command, "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "plain greedy equals the fixture's pi chain: yes" in out.stdout
     assert "all outputs equal plain greedy decoding" in out.stdout

@@ -9,8 +9,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 
@@ -28,6 +26,7 @@ from sglang_frspec.core.options import (
 from sglang_frspec.demo.server import plugin_activity
 from sglang_frspec.maps.counts_file import TokenCounts
 from tests import rank_cases_coverage
+from tests.harness.cli import cli
 from tests.harness.tp_group import run_tp_group
 
 VOCAB = 1000
@@ -296,12 +295,6 @@ def wait_for(condition, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.5)
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sglang_frspec", *args], capture_output=True, text=True, timeout=120
-    )
 
 
 @pytest.mark.server

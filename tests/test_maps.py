@@ -8,8 +8,6 @@ import json
 import multiprocessing.pool
 import os
 import random
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -33,6 +31,7 @@ from sglang_frspec.maps import (
     top_token_ids,
 )
 from sglang_frspec.maps import counting as counting_module
+from tests.harness.cli import cli
 
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|eot|>"]
 PROSE = (
@@ -111,12 +110,6 @@ def reference_ranking(counts: list[int], size: int, forced: set[int]) -> list[in
     others = sorted((i for i in range(len(counts)) if i not in forced), key=lambda i: (-counts[i], i))
     kept = set(others[: size - len(forced)]) | forced
     return sorted(kept, key=lambda i: (-counts[i], i))
-
-
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sglang_frspec", *args], capture_output=True, text=True, timeout=timeout
-    )
 
 
 def test_bpe_fixture_is_realistic(bpe):

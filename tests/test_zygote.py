@@ -3,15 +3,20 @@ session, environment, argv), checked on a small module of the test's own."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import time
 
+import psutil
 import pytest
 
+from sglang_frspec.demo.cpu import cpu_env
 from sglang_frspec.demo.server import kill_tree
-from tools.serving.zygote import fork_module, zygote_for
+from tests.harness.forked_python import run_python
+from tools.serving.zygote import close_zygotes, fork_module, zygote_for
 
 # A launcher whose multiprocessing children are forked (fork_children): it runs an OpenMP parallel
 # torch op, then a child runs one too.
@@ -44,6 +49,14 @@ if mode == "raise":
 if mode == "sleep":
     time.sleep(60)
 """
+
+
+@pytest.fixture(autouse=True)
+def close_the_tests_zygotes():
+    """Each test's zygotes (one per tmp_path) are closed after it, not left to evict the suite's."""
+    yield
+    close_zygotes(("preloaded_marker",))
+    close_zygotes(())
 
 
 @pytest.fixture
@@ -168,3 +181,22 @@ def test_forked_children_of_a_launcher_that_ran_openmp_do_not_hang(tmp_path):
     child = fork_module(env, (), "openmp_launcher", [], log, fork_children=True)
     assert child.wait(timeout=120) == 0, log.read_text()[-2000:]
     assert "threads 1 child exit 0" in log.read_text()  # the launcher single-threaded, its child done
+
+
+def test_a_forked_python_c_child_gets_argv_and_exit_status_and_is_killed_at_its_timeout(tmp_path):
+    """tests/harness/forked_python.py: ``python -c`` semantics (argv, __name__, exit status, output)
+    from the SGLang zygote; past its timeout the child's session is killed, not left running."""
+    code = "import sys; print(sys.argv, __name__); sys.exit(3)"
+    status, output = run_python(code, ["a", "b"], cpu_env(1), tmp_path / "exit.log")
+    assert (status, output) == (3, "['-c', 'a', 'b'] __main__\n")
+
+    sleeper = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+    pid_file = tmp_path / "pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python(sleeper, [str(pid_file)], cpu_env(1), tmp_path / "sleep.log", timeout=3)
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    with contextlib.suppress(psutil.NoSuchProcess):  # gone: reaped by the zygote
+        while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the timed-out child still runs"
+            time.sleep(0.1)

@@ -6,15 +6,22 @@ up logging passes ``force=True`` to ``logging.basicConfig``."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
+from sglang_frspec.demo.server import kill_tree
 from tools.serving.zygote import LAUNCHER_PRELOAD, fork_module
 
 
 def run_python(code: str, args: list[str], env: dict, log: Path, timeout: float = 600.0) -> tuple[int, str]:
     """Exit status and output (stdout and stderr together, as written to ``log``) of ``code``."""
-    status = fork_module(env, LAUNCHER_PRELOAD, __name__, [code, *args], log).wait(timeout)
+    child = fork_module(env, LAUNCHER_PRELOAD, __name__, [code, *args], log)
+    try:
+        status = child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(child.pid, grace=5.0)  # its session: the child and whatever it started
+        raise
     return status, log.read_text(errors="replace")
 
 

@@ -4,8 +4,9 @@ Importing SGLang costs about 10 s of a 2-core machine, and the suite starts well
 processes that each begin with that import. ``fork_module(env, preload, module, args, log)``
 starts (once per environment and preload list) a Python with ``env`` that imports ``preload``
 and waits, then forks it: the child runs ``python -m module *args`` (``runpy``, as ``__main__``)
-in a session of its own, ``log`` as its stdout and stderr, with exactly ``env`` (a few variables
-that no preloaded module reads at import, ``LATE_VARIABLES``, are set after the fork). The child
+in a session of its own, ``log`` as its stdout and stderr (``stderr_log``, if given, as its
+stderr), with exactly ``env`` (a few variables that no preloaded module reads at import,
+``LATE_VARIABLES``, are set after the fork). The child
 is a new process that is as if started from scratch and paused after those imports: its own pid,
 session, SGLang state and ``multiprocessing`` children; only the import work is shared (and, for
 a server's launcher, its schedulers fork from it: ``_fork_multiprocessing_children``).
@@ -121,16 +122,24 @@ class Zygote:
         self._forks = 0
 
     def run_module(
-        self, module: str, args: list[str], log: Path, late_env: dict, fork_children: bool = False
+        self,
+        module: str,
+        args: list[str],
+        log: Path,
+        late_env: dict,
+        fork_children: bool = False,
+        stderr_log: Path | None = None,
     ) -> ForkedProcess:
-        """Fork ``python -m module *args``, appending its output to ``log``; ``late_env`` (only
+        """Fork ``python -m module *args``, appending its output to ``log`` (its stderr to
+        ``stderr_log`` where given); ``late_env`` (only
         ``LATE_VARIABLES``) is added to the child's environment; ``fork_children``: see
         ``_fork_multiprocessing_children``."""
         with self._lock:
             self._forks += 1
             status = self._dir / f"status{self._forks}"
             request = {"module": module, "args": list(args), "log": str(log), "status": str(status),
-                       "late_env": late_env, "fork_children": fork_children}  # fmt: skip
+                       "late_env": late_env, "fork_children": fork_children,
+                       "stderr_log": str(stderr_log or log)}  # fmt: skip
             try:
                 self.proc.stdin.write(json.dumps(request) + "\n")
                 self.proc.stdin.flush()
@@ -160,12 +169,13 @@ def fork_module(
     args: list[str],
     log: Path,
     fork_children: bool = False,
+    stderr_log: Path | None = None,
 ) -> ForkedProcess:
     """``python -m module *args`` with ``env`` (less ``PER_TEST_VARIABLES``), forked from the
     zygote of that environment (less ``LATE_VARIABLES``) and ``preload``."""
     late = {k: v for k, v in env.items() if _is_late(k)}
     early = {k: v for k, v in env.items() if k not in late}
-    return zygote_for(early, preload).run_module(module, args, log, late, fork_children)
+    return zygote_for(early, preload).run_module(module, args, log, late, fork_children, stderr_log)
 
 
 def forked_launch(env: dict, args: list[str], log_path: Path) -> ForkedProcess:
@@ -188,6 +198,14 @@ def zygote_for(env: dict, preload: tuple[str, ...]) -> Zygote:
         while len(_zygotes) > MAX_ZYGOTES:
             _zygotes.pop(next(iter(_zygotes))).close()
         return zygote
+
+
+def close_zygotes(preload: tuple[str, ...]) -> None:
+    """Close every live zygote of ``preload``: a test's throwaway zygotes, which would otherwise
+    push the suite's SGLang zygotes out of the ``MAX_ZYGOTES`` kept (each ~20 s to start again)."""
+    with _zygotes_lock:
+        for key in [key for key in _zygotes if key[1] == preload]:
+            _zygotes.pop(key).close()
 
 
 _last_key: tuple = ((), ())
@@ -249,11 +267,11 @@ def _run_child(request: dict) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     os.setsid()  # kill_tree ends the child's own process group
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    for fd, path in ((1, request["log"]), (2, request["stderr_log"])):
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(log, fd)
+        os.close(log)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    os.close(log)
     os.environ.update(request["late_env"])  # absent from the zygote's environment: see LATE_VARIABLES
     if request["fork_children"]:
         _fork_multiprocessing_children()
