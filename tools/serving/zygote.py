@@ -6,10 +6,10 @@ starts (once per environment and preload list) a Python with ``env`` that import
 and waits, then forks it: the child runs ``python -m module *args`` (``runpy``, as ``__main__``)
 in a session of its own, ``log`` as its stdout and stderr (``stderr_log``, if given, as its
 stderr), with exactly ``env`` (a few variables that no preloaded module reads at import,
-``LATE_VARIABLES``, are set after the fork). The child
-is a new process that is as if started from scratch and paused after those imports: its own pid,
-session, SGLang state and ``multiprocessing`` children; only the import work is shared (and, for
-a server's launcher, its schedulers fork from it: ``_fork_multiprocessing_children``).
+``LATE_VARIABLES``, are set after the fork). The child is a new process that is as if started
+from scratch and paused after those imports: its own pid, session, SGLang state and
+``multiprocessing`` children; only the import work is shared (and, for a server's launcher, its
+schedulers fork from it: ``_fork_multiprocessing_children``).
 ``ForkedProcess`` answers ``pid``, ``poll``, ``wait``, ``send_signal`` and ``returncode`` as
 ``subprocess.Popen`` does (the zygote reaps its children and records their exit status).
 ``forked_launch`` is an ``SGLangServer`` launch that forks the server's launcher this way.
@@ -131,9 +131,8 @@ class Zygote:
         stderr_log: Path | None = None,
     ) -> ForkedProcess:
         """Fork ``python -m module *args``, appending its output to ``log`` (its stderr to
-        ``stderr_log`` where given); ``late_env`` (only
-        ``LATE_VARIABLES``) is added to the child's environment; ``fork_children``: see
-        ``_fork_multiprocessing_children``."""
+        ``stderr_log`` where given); ``late_env`` (only ``LATE_VARIABLES``) is added to the
+        child's environment; ``fork_children``: see ``_fork_multiprocessing_children``."""
         with self._lock:
             self._forks += 1
             status = self._dir / f"status{self._forks}"
