@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from sglang_frspec.demo.server import kill_tree
+from tests.harness.forked_python import wait_or_kill
 from tools.serving.zygote import fork_module
 
 CLI_PRELOAD = ("sglang_frspec.cli",)
@@ -22,9 +22,5 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="frspec-cli-") as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
         child = fork_module(dict(os.environ), CLI_PRELOAD, "sglang_frspec", list(args), out, stderr_log=err)
-        try:
-            status = child.wait(timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(child.pid, grace=5.0)
-            raise
+        status = wait_or_kill(child, timeout)
         return subprocess.CompletedProcess(["sglang-frspec", *args], status, out.read_text(), err.read_text())

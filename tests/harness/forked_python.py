@@ -11,17 +11,22 @@ import sys
 from pathlib import Path
 
 from sglang_frspec.demo.server import kill_tree
-from tools.serving.zygote import LAUNCHER_PRELOAD, fork_module
+from tools.serving.zygote import LAUNCHER_PRELOAD, ForkedProcess, fork_module
+
+
+def wait_or_kill(child: ForkedProcess, timeout: float) -> int:
+    """The child's exit status; past ``timeout`` its session (the child and whatever it started)
+    is killed and ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does."""
+    try:
+        return child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(child.pid, grace=5.0)
+        raise
 
 
 def run_python(code: str, args: list[str], env: dict, log: Path, timeout: float = 600.0) -> tuple[int, str]:
     """Exit status and output (stdout and stderr together, as written to ``log``) of ``code``."""
-    child = fork_module(env, LAUNCHER_PRELOAD, __name__, [code, *args], log)
-    try:
-        status = child.wait(timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(child.pid, grace=5.0)  # its session: the child and whatever it started
-        raise
+    status = wait_or_kill(fork_module(env, LAUNCHER_PRELOAD, __name__, [code, *args], log), timeout)
     return status, log.read_text(errors="replace")
 
 
