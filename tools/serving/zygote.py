@@ -40,8 +40,15 @@ PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
 # preloads reads them at import (SGLang reads SGLANG_PLUGINS in load_plugins and the thread binding
 # when a rank starts, sglang 0.5.23 plugins/__init__.py, utils/numa_utils.py; this plugin reads its
 # SGLANG_FRSPEC_* options in FrSpecOptions.from_env; the CPU site reads SGL_SHIM_LOG at each op
-# call, cpu_site/sgl_kernel/__init__.py _log). Prefixes end with "_".
-LATE_VARIABLES = ("SGLANG_PLUGINS", "SGLANG_CPU_OMP_THREADS_BIND", "SGLANG_FRSPEC_", "SGL_SHIM_LOG")
+# call, cpu_site/sgl_kernel/__init__.py _log; SGLang reads SGLANG_MAMBA_CONV_DTYPE when a model's
+# config builds its state dtypes, configs/mamba_utils.py:68 mamba2_state_dtype). Prefixes end with "_".
+LATE_VARIABLES = (
+    "SGLANG_PLUGINS",
+    "SGLANG_CPU_OMP_THREADS_BIND",
+    "SGLANG_FRSPEC_",
+    "SGL_SHIM_LOG",
+    "SGLANG_MAMBA_CONV_DTYPE",
+)
 
 
 # What the launcher imports before it loads plugins (sglang 0.5.23 launch_server.py), then the HTTP
