@@ -162,26 +162,42 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-def pytest_collection_modifyitems(items):
-    """Unit tests first, then the gloo TP groups, then real servers (stable within a tier): a
-    broken build fails in the first minutes of a run instead of after the servers."""
-    items.sort(
-        key=lambda item: (
-            2 if item.get_closest_marker("server") else 1 if item.get_closest_marker("multirank") else 0
-        )
-    )
-
-
-# Fixtures that take minutes to build, by the test files that use them. A session that collects
-# such a file starts the build at once, in a Python of its own at nice 19: it runs on the core time
-# the unit tier leaves idle (most unit tests keep one core busy), and the first test that needs the
-# fixture waits for it on cached_build's lock instead of building it again. Logs:
-# <cache>/background-builds/.
+# Fixtures that take minutes to build, by the test files that use them, the quicker build first.
+# A session that collects such a file starts the build at once, in a Python of its own at the
+# lowest priority: it runs on the core time the tests leave idle (the server tiers leave about a
+# quarter), and the first test that needs the fixture waits for it on cached_build's lock instead
+# of building it again. Logs: <cache>/background-builds/.
 BACKGROUND_BUILDS = {
-    "tools.draft_training.trained_fixture.trained_fixture": ("test_trained.py", "test_benchmarks.py"),
     "sglang_frspec.demo.gemma3.gemma3_fixture": ("test_gemma3.py",),
+    "tools.draft_training.trained_fixture.trained_fixture": ("test_trained.py", "test_benchmarks.py"),
 }
 _BACKGROUND_BUILDERS: list[subprocess.Popen] = []
+# The builder's session is an autogroup of its own where the kernel schedules by autogroup
+# (/proc/sys/kernel/sched_autogroup_enabled), and nice ranks a process only within its group, so
+# `nice -n 19` alone gave the build a full share beside the tests' sessions (measured: a spinning
+# loop at nice 19 in its own session took half a shared core; with its group at nice 19, 3%).
+_LOWEST_PRIORITY = (
+    "import contextlib, pathlib\n"
+    "with contextlib.suppress(OSError): pathlib.Path('/proc/self/autogroup').write_text('19')\n"
+)
+
+
+def _tier(item: pytest.Item) -> int:
+    return 2 if item.get_closest_marker("server") else 1 if item.get_closest_marker("multirank") else 0
+
+
+def _build_needed(item: pytest.Item) -> int:
+    """1 + the index of the background build ``item``'s file waits for, 0 for none."""
+    users = list(BACKGROUND_BUILDS.values())
+    return next((i + 1 for i, files in enumerate(users) if item.path.name in files), 0)
+
+
+def pytest_collection_modifyitems(items):
+    """Unit tests first, then the gloo TP groups, then real servers (stable within a tier): a
+    broken build fails in the first minutes of a run instead of after the servers. The files that
+    wait for a background build run after all of them, so the build has the other tests' idle
+    core time to finish in."""
+    items.sort(key=lambda item: (_build_needed(item), _tier(item)))
 
 
 def pytest_collection_finish(session):
@@ -196,7 +212,7 @@ def pytest_collection_finish(session):
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as out:
             builder_process = subprocess.Popen(
-                ["nice", "-n", "19", sys.executable, "-c", f"import {module}; {builder}()"],
+                ["nice", "-n", "19", sys.executable, "-c", f"{_LOWEST_PRIORITY}import {module}; {builder}()"],
                 # One thread: two OpenMP teams on two cores spin at their barriers while a peer
                 # thread is descheduled, so a two-thread build beside the tests wastes the core
                 # time it takes from them.
