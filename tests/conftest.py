@@ -16,7 +16,6 @@ from hypothesis import settings
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, CPU_SITE, cpu_env, eagle_args
 from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, cache_root, perm_fixture
 from sglang_frspec.demo.server import Launch, SGLangServer, kill_tree
-from tests.harness.beside import CHILD_VARIABLE, BesideRun
 from tests.harness.gpu_defaults.overlap import SITE as GPU_DEFAULTS_SITE
 from tests.harness.gpu_defaults.overlap import overlap_env
 from tools.serving.zygote import ZYGOTES_STARTED, forked_launch
@@ -193,67 +192,16 @@ def _build_needed(item: pytest.Item) -> int:
     return next((i + 1 for i, files in enumerate(users) if item.path.name in files), 0)
 
 
-# Tests that run in a second pytest beside the other server tests (tests/harness/beside.py): most of
-# their time is new Pythons and servers of their own, and they fill the cores the others leave idle.
-RUN_BESIDE = (
-    "tests/test_cli.py::test_demo_on_the_permutation_fixture",
-    "tests/test_benchmarks.py::test_bench_acceptance_smoke",
-    "tests/test_benchmarks.py::test_bench_adaptive_smoke",
-)
-_IN_RUN_BESIDE = os.environ.get(CHILD_VARIABLE) == "1"
-_BESIDE: list[BesideRun] = []  # the session's run beside, once started
-
-
-def _runs_beside(items: list[pytest.Item]) -> list[pytest.Item]:
-    """The collected tests of RUN_BESIDE, where the session also holds other server tests for them
-    to run beside (alone, they run here as any test)."""
-    if _IN_RUN_BESIDE:
-        return []
-    beside = [item for item in items if item.nodeid in RUN_BESIDE]
-    others = [item for item in items if _tier(item) == 2 and item not in beside]
-    return beside if others else []
-
-
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     """Unit tests first, then the gloo TP groups, then real servers (stable within a tier): a
     broken build fails in the first minutes of a run instead of after the servers. The files that
     wait for a background build run after all of them, so the build has the other tests' idle
-    core time to finish in; the tests run beside come last, read back from their run."""
-    beside = _runs_beside(items)
-    items.sort(key=lambda item: (item in beside, _build_needed(item), _tier(item)))
-    if not beside:
-        return
-    run = BesideRun([item.nodeid for item in beside], Path(config._tmp_path_factory.getbasetemp()) / "beside")
-    for item in beside:
-        item.runtest = lambda item=item: _read_back(run, item)
-        # Waiting here can take the whole run beside: each of its tests has pytest's own limit.
-        item.add_marker(pytest.mark.timeout(float(config.getini("timeout") or 0) * (len(beside) + 1)))
-    config.stash[_BESIDE_RUN_KEY] = run
-
-
-_BESIDE_RUN_KEY = pytest.StashKey[BesideRun]()
-
-
-def _read_back(run: BesideRun, item: pytest.Item) -> None:
-    outcome, text = run.outcome(item.nodeid)
-    where = f"(run beside: log {run.log_path})"
-    if outcome == "skipped":
-        pytest.skip(f"{text} {where}")
-    if outcome != "passed":
-        pytest.fail(f"{outcome} {where}:\n{text}", pytrace=False)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    """The run beside starts with the session's first server test."""
-    run = item.config.stash.get(_BESIDE_RUN_KEY, None)
-    if run is not None and run.proc is None and _tier(item) == 2:
-        run.start()
-        _BESIDE.append(run)
+    core time to finish in."""
+    items.sort(key=lambda item: (_build_needed(item), _tier(item)))
 
 
 def pytest_collection_finish(session):
-    if session.config.option.collectonly or _IN_RUN_BESIDE:  # the session beside it builds
+    if session.config.option.collectonly:
         return
     files = {item.path.name for item in session.items}
     for builder, users in BACKGROUND_BUILDS.items():
@@ -277,10 +225,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session):
-    """A build or run beside still running when the session ends (a failed or partial run) is
-    stopped."""
-    for run in _BESIDE:
-        run.stop()
+    """A build still running when the session ends (a failed or partial run) is stopped."""
     for builder_process in _BACKGROUND_BUILDERS:
         if builder_process.poll() is None:
             kill_tree(builder_process.pid, graceful=False)
@@ -315,12 +260,6 @@ def pytest_terminal_summary(terminalreporter):
         write(f"server start-ups: {len(starts)}, {total:.0f} s, {total / len(starts):.1f} s on average")
         for test, seconds in sorted(starts, key=lambda ts: -ts[1])[:5]:
             write(f"{seconds:8.1f} s  start-up in {test}")
-    for run in _BESIDE:
-        seconds = run.seconds()
-        total = sum(seconds.values())
-        write(f"run beside the server tests: {len(seconds)} tests, {total:.0f} s (log {run.log_path})")
-        for nodeid, duration in sorted(seconds.items(), key=lambda kv: -kv[1]):
-            write(f"{duration:8.1f} s  {nodeid}")
     if ZYGOTES_STARTED:
         write(f"zygotes started: {len(ZYGOTES_STARTED)} (each preloads SGLang, ~20 s; new because of)")
         for preload, changed in ZYGOTES_STARTED:
