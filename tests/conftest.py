@@ -33,10 +33,13 @@ sys.path.insert(0, str(CPU_SITE))
 # every later zygote (each a new ~20 s import). The session imports SGLang anyway.
 import sglang  # noqa: E402, F401
 
-# Rank processes of run_tp_group import tests.rank_cases; every process finds the overlap plugin's
-# entry point (loaded where SGLANG_PLUGINS names it), so PYTHONPATH is the same for all zygotes.
+from tests.harness.config_parser import SITE as CONFIG_PARSER_SITE  # noqa: E402 (imports SGLang)
+
+# Rank processes of run_tp_group import tests.rank_cases; every process finds the test plugins'
+# entry points (the overlap plugin, the config parser: each loaded where SGLANG_PLUGINS names it),
+# so PYTHONPATH is the same for all zygotes.
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [str(REPO), str(GPU_DEFAULTS_SITE), os.environ.get("PYTHONPATH")])
+    filter(None, [str(REPO), str(GPU_DEFAULTS_SITE), str(CONFIG_PARSER_SITE), os.environ.get("PYTHONPATH")])
 )
 
 # A failing property test prints the blob that replays it; in CI the examples are derived from

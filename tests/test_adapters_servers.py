@@ -4,7 +4,6 @@ disagrees with the map, a target config only SGLang (not AutoConfig) can read, a
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from types import SimpleNamespace
@@ -14,6 +13,8 @@ import torch
 
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
 from sglang_frspec.demo.server import SGLangServer
+from tests.harness.config_parser import CONFIG_NAME
+from tests.harness.config_parser import PLUGIN as PARSER_PLUGIN
 from tests.test_servers_plugin import generate_chains
 from tools.serving.zygote import forked_launch
 
@@ -49,50 +50,13 @@ def test_draft_vocab_size_unlike_the_map_fails_on_every_rank(perm, start_server,
     assert "Remove draft_vocab_size from the draft's config.json" in log
 
 
-PARSER_PLUGIN = '''
-"""Test-only SGLang plugin: a model-config parser for targets whose config is renamed."""
-import json
-import os
-import re
-
-from sglang.srt.configs.model_config_parser_registry import (
-    ModelConfigParserBase,
-    register_model_config_parser,
-)
-from transformers import AutoConfig, LlamaConfig
-
-
-class RenamedConfigParser(ModelConfigParserBase):
-    def parse(self, model, trust_remote_code, revision=None, **kwargs):
-        path = os.path.join(str(model), "sglang_config.json")
-        if not os.path.exists(path):  # the draft keeps its config.json
-            return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)
-        with open(path) as f:
-            config = LlamaConfig.from_dict(json.load(f))
-        config._name_or_path = str(model)
-        return config
-
-
-def register():
-    register_model_config_parser("renamed")(RenamedConfigParser)
-'''
-
-
-def _renamed_config_target(perm, tmp_path) -> tuple[str, str]:
-    """A copy of the target whose config only a plugin parser (--model-config-parser) reads,
-    and the folder holding that plugin (an SGLang general plugin, by entry point)."""
+def _renamed_config_target(perm, tmp_path) -> str:
+    """A copy of the target whose config only the ``renamed_config`` plugin's parser
+    (``--model-config-parser renamed``, tests/harness/config_parser.py) reads."""
     target = tmp_path / "renamed-config-target"
     shutil.copytree(perm.target, target)
-    (target / "config.json").rename(target / "sglang_config.json")
-    site = tmp_path / "parser-plugin"
-    info = site / "frspec_test_config_parser-0.1.dist-info"
-    info.mkdir(parents=True)
-    (site / "frspec_test_config_parser.py").write_text(PARSER_PLUGIN)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: frspec-test-config-parser\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(
-        "[sglang.srt.plugins]\nrenamed_config = frspec_test_config_parser:register\n"
-    )
-    return str(target), str(site)
+    (target / "config.json").rename(target / CONFIG_NAME)
+    return str(target)
 
 
 def test_unreadable_target_config_defers_the_map_check_to_every_rank(perm, tmp_path):
@@ -101,7 +65,7 @@ def test_unreadable_target_config_defers_the_map_check_to_every_rank(perm, tmp_p
     schedulers' check against the real head rejects its out-of-range id on every rank."""
     from sglang_frspec.adapters.args import _target_vocab_size
 
-    target, plugin_site = _renamed_config_target(perm, tmp_path)
+    target = _renamed_config_target(perm, tmp_path)
     readable = SimpleNamespace(model_path=perm.target, trust_remote_code=False, revision=None)
     assert _target_vocab_size(readable) == perm.vocab_size
     assert _target_vocab_size(SimpleNamespace(**vars(readable) | {"model_path": target})) is None
@@ -109,11 +73,10 @@ def test_unreadable_target_config_defers_the_map_check_to_every_rank(perm, tmp_p
     torch.save(torch.tensor([5, perm.vocab_size + 8000]), bad_map)
 
     env = cpu_env(2)
-    env["SGLANG_PLUGINS"] += ",renamed_config"
-    env["PYTHONPATH"] = os.pathsep.join([plugin_site, env["PYTHONPATH"]])
+    env["SGLANG_PLUGINS"] += f",{PARSER_PLUGIN}"  # its entry point is on every test process's path
     args = ["--model-path", target, "--tp-size", "2", *CPU_SERVER_ARGS, "--model-config-parser", "renamed",
             *eagle_args(perm.draft, str(bad_map))]  # fmt: skip
-    # Forked: its own PYTHONPATH starts a zygote of its own (~20 s), a new Python four fresh imports.
+    # Forked from the zygote the suite's servers use (the plugin's site is on every process's path).
     server = SGLangServer(args, env, tmp_path / "server.log", launch=forked_launch).start()
     try:
         status = server.wait_exit(EXIT_TIMEOUT)

@@ -1,7 +1,14 @@
-"""The benchmark scripts run end to end in a smoke mode (tiny sizes); timings are not checked."""
+"""The benchmark scripts run end to end in a smoke mode (tiny sizes); timings are not checked.
+
+Most run as users run them, ``python benchmarks/SCRIPT.py``. Three that serve the trained fixture
+(bench_acceptance, validate_size_model, bench_adaptive) run their ``main(argv)`` in this process
+instead: their servers' environment is the suite's, so they fork from the suite's zygote rather
+than a new Python's (about 25 s each of a fresh import and zygote start on 2 cores); their command
+line is the same ``main`` behind ``if __name__ == "__main__"``."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -57,6 +64,14 @@ def test_results_show_paths_relative_to_the_repository_or_a_named_root(monkeypat
 def run(script: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
+
+
+def run_main(capsys, script: str, *args: str) -> subprocess.CompletedProcess:
+    """``script``'s ``main(args)`` in this process, seen as ``run`` sees a script's run."""
+    capsys.readouterr()
+    status = importlib.import_module(script.removesuffix(".py")).main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess([script, *args], status, out.out, out.err)
 
 
 @pytest.mark.multirank
@@ -233,16 +248,16 @@ def test_bench_acceptance_ratios_recover_speeds_across_groups():
 
 
 @pytest.mark.server
-def test_bench_acceptance_smoke(tmp_path):
+def test_bench_acceptance_smoke(tmp_path, capsys):
     # --one-reference (as Gemma 3's run): only the first spec's EAGLE without a map stays alive. Two
     # specs: plain, the first spec's map row and the second spec's EAGLE without a map run in one
     # group (--alive 3), the second spec's map row in the next, so its ratio to its own spec's EAGLE
     # without a map is chained through the first spec's. The prompts go one at a time.
     specs = ("3,1,4", "2,1,3")
-    out = run("bench_acceptance.py", "--tp", "1", "--maps", "code_512", "--layouts", "--prompts", "2",
-              "--max-new-tokens", "8", "--rounds", "1", "--one-reference", "--spec", *specs,
-              "--concurrency", "1", "--json", str(tmp_path / "a.json"),
-              "--plot", str(tmp_path / "a.png"))  # fmt: skip
+    out = run_main(capsys, "bench_acceptance.py", "--tp", "1", "--maps", "code_512", "--layouts",
+                   "--prompts", "2", "--max-new-tokens", "8", "--rounds", "1", "--one-reference",
+                   "--spec", *specs, "--concurrency", "1", "--json", str(tmp_path / "a.json"),
+                   "--plot", str(tmp_path / "a.png"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     data = json.loads((tmp_path / "a.json").read_text())
     rows = data["results"]
@@ -295,7 +310,8 @@ def test_bench_acceptance_smoke(tmp_path):
     (tmp_path / "a1.json").write_text(json.dumps(data | {"args": args, "results": one}))
     rows = one
     # The size model against those figures: counts served on the same prompts, every map modelled.
-    out = run("validate_size_model.py", "--acceptance", str(tmp_path / "a1.json"), "--prompt-sets", "timed",
+    out = run_main(capsys, "validate_size_model.py", "--acceptance", str(tmp_path / "a1.json"),
+                   "--prompt-sets", "timed",
               "--domains", "code", "--batch-tail", "--json", str(tmp_path / "v.json"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "v.json").read_text())
@@ -312,12 +328,12 @@ def test_bench_acceptance_smoke(tmp_path):
 
 
 @pytest.mark.server
-def test_bench_adaptive_smoke(tmp_path):
+def test_bench_adaptive_smoke(tmp_path, capsys):
     """Issue 26's benchmark end to end on the trained fixture: two adaptive servers (two intervals)
     beside the three others, three phases, tiny sizes."""
-    out = run("bench_adaptive.py", "--requests-per-phase", "4", "--batch", "2", "--interval", "2", "3",
-              "--max-new-tokens", "8", "--json", str(tmp_path / "ad.json"),
-              "--plot", str(tmp_path / "ad.png"))  # fmt: skip
+    out = run_main(capsys, "bench_adaptive.py", "--requests-per-phase", "4", "--batch", "2",
+                   "--interval", "2", "3", "--max-new-tokens", "8", "--json", str(tmp_path / "ad.json"),
+                   "--plot", str(tmp_path / "ad.png"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     data = json.loads((tmp_path / "ad.json").read_text())
     adaptive = ["adaptive/2 from prose_128", "adaptive/3 from prose_128"]

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from sglang_frspec import __version__
+from sglang_frspec.cli import build_parser
+from sglang_frspec.cli import demo as demo_command
 from sglang_frspec.core import vocab_shard_ranges
+from sglang_frspec.demo.server import Process, new_python, plugin_activity
 from tests.harness.cli import cli
+from tools.serving.zygote import forked_launch
 
 
 def test_version_and_help():
@@ -61,17 +66,33 @@ def test_plan_bad_map_is_a_clear_error(tmp_path):
 @pytest.mark.server
 def test_demo_on_the_permutation_fixture(tmp_path):
     """``demo --fixture perm`` (Llama-3-size vocab, TP=2, CPU): its drafts are always accepted.
-    (The default, Gemma 3 270M, is the README's main job: tests/test_gemma3.py.)"""
-    args = ["--fixture", "perm", "--skip-stock", "--requests", "4", "--one-at-a-time", "1"]
-    # A new Python, as a user's: the demo's own process and its servers' (spawned schedulers).
-    command = [sys.executable, "-m", "sglang_frspec", "demo", *args, "--max-new-tokens", "24"]
-    out = subprocess.run([*command, "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "plain greedy equals the fixture's pi chain: yes" in out.stdout
-    assert "all outputs equal plain greedy decoding" in out.stdout
+    (The default, Gemma 3 270M, is the README's main job: tests/test_gemma3.py.) The command runs
+    here, as test_gemma3 runs it; the CLI's own entry point is run as a user's by the tests above."""
+    argv = ["demo", "--fixture", "perm", "--skip-stock", "--requests", "4", "--one-at-a-time", "1"]
+    args = build_parser().parse_args([*argv, "--max-new-tokens", "24", "--log-dir", str(tmp_path)])
+    spawned: list[Path] = []
+
+    def launch(env: dict, server_args: list[str], log_path: Path) -> Process:
+        """The server with the map starts as a user's does: a new Python whose spawned schedulers
+        load the plugin themselves (the suite's only such start, ~55 s here); plain's is forked."""
+        if "--speculative-token-map" not in server_args:
+            return forked_launch(env, server_args, log_path)
+        spawned.append(log_path)
+        return new_python(env, server_args, log_path)
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        status = demo_command.run(args, launch=launch)
+    out = stdout.getvalue()
+    assert status == 0, out[-3000:]
+    assert "plain greedy equals the fixture's pi chain: yes" in out
+    assert "all outputs equal plain greedy decoding" in out
+    # The spawned schedulers registered the plugin: its start-up line, from rank 0, at TP=2.
+    assert len(spawned) == 1
+    assert [a[1:] for a in plugin_activity(spawned[0].read_text())] == [(2, "balanced", "full")]
     # One table per mode, one request at a time first: the plugin with the map at TP=2 decodes as
     # plain greedy with every draft accepted (2 steps + the bonus token); plain's ratio is 1.
-    lines = out.stdout.splitlines()
+    lines = out.splitlines()
     titles = [line.split(":")[0] for line in lines if line.endswith("x plain")]
     assert titles == ["one at a time", "4 at once"]
     for prefix, columns in (("EAGLE + map", ["yes", "3.00"]), ("plain greedy", ["yes", "-"])):
