@@ -37,9 +37,12 @@ DRAFT_STEP = f"run batch{SEP}draft{SEP}forward "  # + the step's number
 
 
 def profiled_env(env: dict, folder: Path) -> dict:
-    """``env`` of a CPU server whose schedulers record their cycles into ``folder`` (created)."""
+    """``env`` of a CPU server whose schedulers record their cycles into ``folder`` (created).
+    The profiling plugin's site joins ``PYTHONPATH`` unless it is there already (the test suite
+    puts it on every process's path, so a profiled server forks from the zygote of the others)."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(PROFILE_SITE)]))
+    entries = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    path = os.pathsep.join(entries if str(PROFILE_SITE) in entries else [*entries, str(PROFILE_SITE)])
     plugins = ",".join(filter(None, [env.get("SGLANG_PLUGINS"), PLUGIN]))
     return env | {"PYTHONPATH": path, "SGLANG_PLUGINS": plugins, DIR_ENV: str(folder)}
 

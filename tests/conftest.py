@@ -36,10 +36,11 @@ import sglang  # noqa: E402, F401
 from tests.harness.config_parser import SITE as CONFIG_PARSER_SITE  # noqa: E402 (imports SGLang)
 
 # Rank processes of run_tp_group import tests.rank_cases; every process finds the test plugins'
-# entry points (the overlap plugin, the config parser: each loaded where SGLANG_PLUGINS names it),
-# so PYTHONPATH is the same for all zygotes.
+# entry points (the overlap plugin, the config parser, the benchmarks' cycle profiler: each loaded
+# where SGLANG_PLUGINS names it), so PYTHONPATH is the same for all zygotes.
+_PLUGIN_SITES = [GPU_DEFAULTS_SITE, CONFIG_PARSER_SITE, REPO / "benchmarks" / "profile_site"]
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [str(REPO), str(GPU_DEFAULTS_SITE), str(CONFIG_PARSER_SITE), os.environ.get("PYTHONPATH")])
+    filter(None, [str(REPO), *map(str, _PLUGIN_SITES), os.environ.get("PYTHONPATH")])
 )
 
 # A failing property test prints the blob that replays it; in CI the examples are derived from

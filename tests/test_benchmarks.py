@@ -1,10 +1,11 @@
 """The benchmark scripts run end to end in a smoke mode (tiny sizes); timings are not checked.
 
-Most run as users run them, ``python benchmarks/SCRIPT.py``. Three that serve the trained fixture
-(bench_acceptance, validate_size_model, bench_adaptive) run their ``main(argv)`` in this process
-instead: their servers' environment is the suite's, so they fork from the suite's zygote rather
-than a new Python's (about 25 s each of a fresh import and zygote start on 2 cores); their command
-line is the same ``main`` behind ``if __name__ == "__main__"``."""
+Most run as users run them, ``python benchmarks/SCRIPT.py``. The four that start servers
+(bench_acceptance, validate_size_model, bench_adaptive, bench_server) run their ``main(argv)`` in
+this process instead: their servers' environment is the suite's, so they fork from the suite's
+zygote rather than a new Python's (about 25 s each of a fresh import and zygote start on 2
+cores); their command line is the same ``main`` behind ``if __name__ == "__main__"``, and
+``validate_size_model.py --report`` still runs as a script."""
 
 from __future__ import annotations
 
@@ -143,9 +144,9 @@ def test_cycle_profile_averages_phases_and_predicts_tokens_per_s(tmp_path):
 
 
 @pytest.mark.server
-def test_bench_server_smoke(tmp_path):
+def test_bench_server_smoke(tmp_path, capsys):
     # --profile: the same servers also record every decode cycle phase by phase on each rank.
-    out = run("bench_server.py", "--hidden", "128", "--requests", "2", "--max-new-tokens", "8",
+    out = run_main(capsys, "bench_server.py", "--hidden", "128", "--requests", "2", "--max-new-tokens", "8",
               "--rounds", "1", "--configs", "balanced/topk", "--profile",
               "--json", str(tmp_path / "s.json"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
