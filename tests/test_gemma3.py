@@ -67,7 +67,7 @@ def plain_tp1(gemma3, tmp_path_factory):
 def demo(gemma3, tmp_path_factory):
     """``sglang-frspec demo`` on its default (this model, TP=2), one request per prompt. Run in this
     process with its servers forked from the zygote (about 35 s less per server than the new
-    Pythons a user's run starts; tests/test_cli.py runs the command itself, in new Pythons)."""
+    Pythons a user's run starts; tests/test_cli.py starts one server so, with spawned schedulers)."""
     folder = tmp_path_factory.mktemp("gemma3-demo")
     argv = ["demo", "--requests", str(len(gemma3.prompts)), "--one-at-a-time", "1", "--log-dir", str(folder)]
     args = build_parser().parse_args([*argv, "--json", str(folder / "demo.json")])

@@ -56,8 +56,8 @@ LATE_VARIABLES = (
 # every model module, ~3.6 s): together most of a forked server's start-up. Importing the last two
 # before the plugin loads is safe because every hook in adapters/hooks.py is set on a class
 # attribute, which SGLang looks up at call time whatever was imported first
-# (srt/plugins/hook_registry.py:290); the fresh order is what new-Python launches run (the CPU demo
-# in test_cli.py, the benchmarks).
+# (srt/plugins/hook_registry.py:290); the fresh order is what new-Python launches run (the demo's,
+# and in the tests the permutation demo's server with the map, test_cli.py).
 LAUNCHER_PRELOAD = (
     "sglang.srt.arg_groups.overrides",
     "sglang.srt.plugins",
@@ -295,8 +295,8 @@ def _fork_multiprocessing_children() -> None:
     launcher's imports and run the same code. What a fork inherits and a spawn would redo is the
     plugin's registration, done by ``load_plugins`` in the launcher (idempotent: the scheduler's
     own call finds it done); the real spawn path, with schedulers that load the plugin themselves,
-    is what the CPU demo (``test_cli.py::test_demo_on_the_permutation_fixture``) and the
-    benchmarks that launch a new Python (``SGLangServer``'s default launch) run."""
+    is what a new Python's launch runs (``SGLangServer``'s default: the demo's servers; in the
+    tests, ``test_cli.py::test_demo_on_the_permutation_fixture``'s server with the map)."""
     multiprocessing.set_start_method("fork", force=True)
     multiprocessing.set_start_method = lambda method=None, force=False: None
     # GNU OpenMP (torch's CPU intra-op threads) is not fork-safe: a child forked after its parent ran
