@@ -147,8 +147,8 @@ def test_cycle_profile_averages_phases_and_predicts_tokens_per_s(tmp_path):
 def test_bench_server_smoke(tmp_path, capsys):
     # --profile: the same servers also record every decode cycle phase by phase on each rank.
     out = run_main(capsys, "bench_server.py", "--hidden", "128", "--requests", "2", "--max-new-tokens", "8",
-              "--rounds", "1", "--configs", "balanced/topk", "--profile",
-              "--json", str(tmp_path / "s.json"))  # fmt: skip
+                   "--rounds", "1", "--configs", "balanced/topk", "--profile",
+                   "--json", str(tmp_path / "s.json"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = json.loads((tmp_path / "s.json").read_text())["results"]
     assert [r["config"] for r in results] == ["stock EAGLE, no map", "map + plugin balanced/topk"]
@@ -312,8 +312,8 @@ def test_bench_acceptance_smoke(tmp_path, capsys):
     rows = one
     # The size model against those figures: counts served on the same prompts, every map modelled.
     out = run_main(capsys, "validate_size_model.py", "--acceptance", str(tmp_path / "a1.json"),
-                   "--prompt-sets", "timed",
-              "--domains", "code", "--batch-tail", "--json", str(tmp_path / "v.json"))  # fmt: skip
+                   "--prompt-sets", "timed", "--domains", "code", "--batch-tail",
+                   "--json", str(tmp_path / "v.json"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "v.json").read_text())
     assert [(r["prompts"], r["tp"], r["domain"]) for r in report["results"]] == [("timed", 1, "code")]
