@@ -34,11 +34,12 @@ sys.path.insert(0, str(CPU_SITE))
 import sglang  # noqa: E402, F401
 
 from tests.harness.config_parser import SITE as CONFIG_PARSER_SITE  # noqa: E402 (imports SGLang)
+from tests.harness.draft_probe import PROBE_SITE  # noqa: E402
 
 # Rank processes of run_tp_group import tests.rank_cases; every process finds the test plugins'
-# entry points (the overlap plugin, the config parser, the benchmarks' cycle profiler: each loaded
-# where SGLANG_PLUGINS names it), so PYTHONPATH is the same for all zygotes.
-_PLUGIN_SITES = [GPU_DEFAULTS_SITE, CONFIG_PARSER_SITE, REPO / "benchmarks" / "profile_site"]
+# entry points (the overlap plugin, the config parser, the draft probe, the benchmarks' cycle
+# profiler: each loaded where SGLANG_PLUGINS names it), so PYTHONPATH is the same for all zygotes.
+_PLUGIN_SITES = [GPU_DEFAULTS_SITE, CONFIG_PARSER_SITE, PROBE_SITE, REPO / "benchmarks" / "profile_site"]
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(REPO), *map(str, _PLUGIN_SITES), os.environ.get("PYTHONPATH")])
 )

@@ -201,37 +201,16 @@ def test_processor_refuses_a_head_that_is_not_the_hot_head():
         assert "not this rank's hot head (350 rows)" in message
 
 
-KEEPS_OWN_HEAD_DRAFT = '''
-from sglang.srt.models.llama_eagle import LlamaForCausalLMEagle
-
-
-class KeepsOwnHeadLlamaEagle(LlamaForCausalLMEagle):
-    """Like step3p5_mtp: set_embed_and_head keeps the draft's own (full-vocab) head."""
-
-    def set_embed_and_head(self, embed, head):
-        return
-
-
-EntryClass = KeepsOwnHeadLlamaEagle
-'''
-
-
 @pytest.mark.server
 def test_draft_that_keeps_its_own_head_fails_on_every_rank(perm, start_server, tmp_path):
     """A draft whose set_embed_and_head ignores the hot head (stock would crash or, at TP=1,
     silently read columns 0..H-1): every rank fails at start-up naming the draft class."""
-    package = tmp_path / "site" / "frspec_test_models"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "keeps_own_head.py").write_text(KEEPS_OWN_HEAD_DRAFT)
     draft = tmp_path / "keeps-own-head-eagle"
     shutil.copytree(perm.draft, draft)
     config = json.loads((draft / "config.json").read_text())
     (draft / "config.json").write_text(json.dumps(config | {"architectures": ["KeepsOwnHeadLlamaEagle"]}))
-    env = {  # SGLang's own way to add model classes from a package
-        "SGLANG_EXTERNAL_MODEL_PACKAGE": "frspec_test_models",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(package.parent), os.environ.get("PYTHONPATH")])),
-    }
+    # SGLang's own way to add model classes from a package (tests/harness/external_models/).
+    env = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "tests.harness.external_models"}
     server = start_server(perm, 2, perm.token_map("hot"), wait=False, env=env,
                           extra=("--speculative-draft-model-path", str(draft)))  # fmt: skip
     assert server.wait_exit(180) != 0  # found after the weights load, as the tied draft

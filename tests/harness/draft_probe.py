@@ -1,7 +1,8 @@
 """Test-only SGLang plugin ``frspec_draft_probe``: what SGLang's own draft objects hold, in the log.
 
 A server started with ``probed_launch`` also loads this plugin (its entry point is in
-``probe_site/``, put on ``PYTHONPATH`` only by ``probed_launch``). Each scheduler then logs, when it
+``probe_site/``, on the test session's ``PYTHONPATH``; SGLang loads it only where
+``SGLANG_PLUGINS`` names it, as ``probed_launch`` does). Each scheduler then logs, when it
 is idle and what it reads has changed since its last line, the address and ids of its
 ``EagleDraftWorker.hot_token_id`` (which the draft's top-k indices are mapped through) and the
 address of the draft model's ``lm_head.weight`` (what the draft's logits are computed from): read
@@ -69,8 +70,12 @@ def log_draft_tensors(result, scheduler, *args, **kwargs):
 
 
 def probed_launch(env: dict, args: list[str], log_path: Path) -> ForkedProcess:
-    """``forked_launch`` with this plugin loaded too (a launch for ``start_server(launch=...)``)."""
-    paths = [str(PROBE_SITE), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    """``forked_launch`` with this plugin loaded too (a launch for ``start_server(launch=...)``).
+    The test session has ``PROBE_SITE`` on ``PYTHONPATH`` already (tests/conftest.py), so the
+    launch shares the suite's zygote; elsewhere it is added here."""
+    paths = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if str(PROBE_SITE) not in paths:
+        paths.insert(0, str(PROBE_SITE))
     env = env | {"PYTHONPATH": os.pathsep.join(paths), "SGLANG_PLUGINS": f"{env['SGLANG_PLUGINS']},{PLUGIN}"}
     return forked_launch(env, args, log_path)
 

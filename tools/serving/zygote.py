@@ -41,13 +41,17 @@ PER_TEST_VARIABLES = ("PYTEST_CURRENT_TEST",)
 # when a rank starts, sglang 0.5.23 plugins/__init__.py, utils/numa_utils.py; this plugin reads its
 # SGLANG_FRSPEC_* options in FrSpecOptions.from_env; the CPU site reads SGL_SHIM_LOG at each op
 # call, cpu_site/sgl_kernel/__init__.py _log; SGLang reads SGLANG_MAMBA_CONV_DTYPE when a model's
-# config builds its state dtypes, configs/mamba_utils.py:68 mamba2_state_dtype). Prefixes end with "_".
+# config builds its state dtypes, configs/mamba_utils.py:68 mamba2_state_dtype). One is read at
+# import: SGLANG_EXTERNAL_MODEL_PACKAGE, by the model registry (models/registry.py:154), which the
+# launcher's zygote preloads; the child registers that package as the import would have
+# (_register_external_models). Prefixes end with "_".
 LATE_VARIABLES = (
     "SGLANG_PLUGINS",
     "SGLANG_CPU_OMP_THREADS_BIND",
     "SGLANG_FRSPEC_",
     "SGL_SHIM_LOG",
     "SGLANG_MAMBA_CONV_DTYPE",
+    "SGLANG_EXTERNAL_MODEL_PACKAGE",
 )
 
 
@@ -279,11 +283,21 @@ def _run_child(request: dict) -> None:
         os.close(log)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.environ.update(request["late_env"])  # absent from the zygote's environment: see LATE_VARIABLES
+    _register_external_models(request["late_env"].get("SGLANG_EXTERNAL_MODEL_PACKAGE"))
     if request["fork_children"]:
         _fork_multiprocessing_children()
     sys.argv = [request["module"], *request["args"]]  # run_module sets argv[0] to the module's file
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     sys.exit(0)
+
+
+def _register_external_models(package: str | None) -> None:
+    """Add ``package``'s model classes to a model registry the zygote imported without them, as
+    SGLang's import does when SGLANG_EXTERNAL_MODEL_PACKAGE is set (``import_model_classes``; the
+    package's classes win over a default of the same name)."""
+    registry = sys.modules.get("sglang.srt.models.registry")
+    if package and registry is not None:
+        registry.ModelRegistry.register(package, overwrite=True)
 
 
 def _fork_multiprocessing_children() -> None:
