@@ -103,6 +103,16 @@ _SERVERS_KEY = pytest.StashKey[list]()
 _SERVERS_MADE: list[tuple[str, SGLangServer]] = []
 
 
+def fixture_server_args(
+    fixture, tp: int, token_map: str | None = None, *, extra: tuple = (), eagle: bool = True
+) -> list[str]:
+    """``sglang.launch_server``'s arguments for ``fixture_server``."""
+    args = ["--model-path", fixture.target, "--tp-size", str(tp), *CPU_SERVER_ARGS]
+    if eagle:
+        args += eagle_args(fixture.draft, token_map)
+    return args + list(extra)
+
+
 def fixture_server(
     fixture,
     tp: int,
@@ -121,10 +131,7 @@ def fixture_server(
     runs with the overlap scheduler on, as on a GPU (``tests/harness/gpu_defaults/overlap.py``);
     ``overlap=False`` keeps SGLang's CPU configuration (overlap off). The launcher is forked from
     a zygote (``forked_launch``); ``launch=new_python`` starts a new Python."""
-    args = ["--model-path", fixture.target, "--tp-size", str(tp), *CPU_SERVER_ARGS]
-    if eagle:
-        args += eagle_args(fixture.draft, token_map)
-    args += list(extra)
+    args = fixture_server_args(fixture, tp, token_map, extra=extra, eagle=eagle)
     env = cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {}))
     env = overlap_env(env) if overlap else env
     server = SGLangServer(args, env, log_path, launch=launch)

@@ -1,7 +1,8 @@
 """Bad inputs and unsupported setups fail clearly, before serving: bad maps and unsupported
-combinations in the launcher (before any model loads), heads and drafts the plugin cannot serve
-at start-up on every rank, and the argument-time cases that behave as stock does. Every case runs
-a real server start-up, SGLang's own argument resolution or a real SGLang object."""
+combinations in the launcher's argument resolution (before any model loads; one of each kind in a
+real launcher), heads and drafts the plugin cannot serve at start-up on every rank, and the
+argument-time cases that behave as stock does. Every case runs a real server start-up, SGLang's
+own argument resolution or a real SGLang object."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from sglang_frspec.demo.cpu import cpu_env
 from sglang_frspec.demo.server import ServerError
 from tests import rank_cases_adapt, rank_cases_adapters
-from tests.conftest import fixture_server
+from tests.conftest import fixture_server, fixture_server_args
 from tests.harness.forked_python import run_python
 from tests.harness.tp_group import run_tp_group
 from tests.rank_cases_adapters import skewed_ids
@@ -73,21 +74,40 @@ ADAPT_REFUSED = {  # name: (extra args, env, message)
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def argument_time_exits(perm, tmp_path_factory) -> dict[str, tuple[int | None, str]]:
-    """Every argument-time case as its own real TP=2 launcher (forked from a zygote that made the
-    launcher's first imports), run to its exit a core's worth at a time: {case: (exit status or
-    None if still running after ARGUMENT_TIME_EXIT, log)}."""
-    tmp_path = tmp_path_factory.mktemp("argument-time")
-    cases = {f"map {case}": (_write_map(tmp_path, case), [], {}) for case in BAD_MAPS}
-    cases |= {f"args {' '.join(extra)}": (perm.token_map("hot"), extra, {}) for extra, _ in UNSUPPORTED}
-    cases |= {
-        f"adapt {name}": (perm.token_map("hot"), extra, env)
-        for name, (extra, env, _) in ADAPT_REFUSED.items()
+def _argument_time_cases(perm, tmp_path) -> dict[str, tuple[str, list[str], dict, str]]:
+    """{case: (token map, extra launcher arguments, env, message)} of every argument-time refusal."""
+    cases = {
+        f"map {case}": (_write_map(tmp_path, case), [], {}, message)
+        for case, (_, message) in BAD_MAPS.items()
     }
+    cases |= {
+        f"args {' '.join(extra)}": (perm.token_map("hot"), extra, {}, message)
+        for extra, message in UNSUPPORTED
+    }
+    cases |= {
+        f"adapt {name}": (perm.token_map("hot"), extra, env, message)
+        for name, (extra, env, message) in ADAPT_REFUSED.items()
+    }
+    return cases
 
-    def launch(i: int, case: str) -> tuple[int | None, str]:
-        token_map, extra, env = cases[case]
+
+# Every argument-time case is checked in SGLang's own resolution of the launcher's arguments (the
+# `resolved` child below: what sglang.launch_server runs before it starts anything); one case of
+# each kind also runs as a real TP=2 launcher, which must exit with the message before any model
+# loads (each launcher is about 6 s of a core: all 17 took a minute of the suite).
+LAUNCHED = ("map garbage", "args --speculative-algorithm STANDALONE", "adapt pd")
+
+
+@pytest.fixture(scope="module")
+def argument_time_exits(perm, tmp_path_factory) -> dict[str, tuple[int | None, str, str]]:
+    """Each ``LAUNCHED`` case as its own real TP=2 launcher (forked from a zygote that made the
+    launcher's first imports), run to its exit a core's worth at a time: {case: (exit status or
+    None if still running after ARGUMENT_TIME_EXIT, log, the message it must give)}."""
+    tmp_path = tmp_path_factory.mktemp("argument-time")
+    cases = _argument_time_cases(perm, tmp_path)
+
+    def launch(i: int, case: str) -> tuple[int | None, str, str]:
+        token_map, extra, env, message = cases[case]
         log = tmp_path / f"launch{i}.log"
         server = fixture_server(perm, 2, log, token_map, extra=tuple(extra), env=env).start()
         try:
@@ -96,36 +116,40 @@ def argument_time_exits(perm, tmp_path_factory) -> dict[str, tuple[int | None, s
             status = None
         finally:
             server.stop()
-        return status, server.log()
+        return status, server.log(), message
 
     with ThreadPoolExecutor(min(4, len(os.sched_getaffinity(0)))) as pool:
-        return dict(zip(cases, pool.map(launch, range(len(cases)), cases)))
+        return dict(zip(LAUNCHED, pool.map(launch, range(len(LAUNCHED)), LAUNCHED)))
 
 
-def _rejected_at_argument_time(exits: dict, case: str, message: str) -> None:
-    status, log = exits[case]
+@pytest.mark.server
+@pytest.mark.parametrize("case", LAUNCHED)
+def test_the_launcher_exits_with_the_message_before_any_model_loads(argument_time_exits, case):
+    status, log, message = argument_time_exits[case]
     assert status is not None and status != 0, (status, log[-3000:])
     assert message in log, log[-3000:]
     assert LOAD_WEIGHTS not in log  # rejected at argument time: no model was loaded
 
 
-@pytest.mark.server
+def _refused_at_argument_time(resolved: dict, case: str, message: str) -> str:
+    result, _ = resolved[case]
+    assert result.startswith("ERROR ") and message in result, result
+    return result
+
+
 @pytest.mark.parametrize("case", sorted(BAD_MAPS))
-def test_bad_map_fails_fast_before_device_work(argument_time_exits, case):
-    _rejected_at_argument_time(argument_time_exits, f"map {case}", BAD_MAPS[case][1])
-    assert f"{case}.pt" in argument_time_exits[f"map {case}"][1]
+def test_bad_map_fails_fast_before_device_work(resolved, case):
+    assert f"{case}.pt" in _refused_at_argument_time(resolved, f"map {case}", BAD_MAPS[case][1])
 
 
-@pytest.mark.server
 @pytest.mark.parametrize(("extra", "message"), UNSUPPORTED)
-def test_unsupported_combinations_are_rejected_at_argument_time(argument_time_exits, extra, message):
-    _rejected_at_argument_time(argument_time_exits, f"args {' '.join(extra)}", message)
+def test_unsupported_combinations_are_rejected_at_argument_time(resolved, extra, message):
+    _refused_at_argument_time(resolved, f"args {' '.join(extra)}", message)
 
 
-@pytest.mark.server
 @pytest.mark.parametrize("name", sorted(ADAPT_REFUSED))
-def test_adaptation_it_cannot_serve_is_refused_at_argument_time(argument_time_exits, name):
-    _rejected_at_argument_time(argument_time_exits, f"adapt {name}", ADAPT_REFUSED[name][2])
+def test_adaptation_it_cannot_serve_is_refused_at_argument_time(resolved, name):
+    _refused_at_argument_time(resolved, f"adapt {name}", ADAPT_REFUSED[name][2])
 
 
 @pytest.mark.server
@@ -223,7 +247,9 @@ def test_draft_that_keeps_its_own_head_fails_on_every_rank(perm, start_server, t
     assert "[sglang-frspec, TP rank 0 of 2] the draft model KeepsOwnHeadLlamaEagle" in log
 
 
-# Argument-time cases that behave as stock does, in SGLang's own resolution.
+# SGLang's own argument resolution, as sglang.launch_server runs it (launch_server.py: plugins, then
+# prepare_server_args of the command line, then resolve_once), of launcher command lines
+# ("argv") or ServerArgs fields ("fields").
 RESOLVE = """
 import json, logging, sys
 messages = []
@@ -234,12 +260,12 @@ logging.basicConfig(level=logging.WARNING, handlers=[Collect()], force=True)
 from sglang.srt.plugins import load_plugins
 load_plugins()  # as the launcher does: this plugin (SGLANG_PLUGINS) registers and applies its hooks
 import os
-from sglang.srt.server_args import ServerArgs
-for fields, env in json.loads(sys.argv[1]):
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+for how, given, env in json.loads(sys.argv[1]):
     messages.clear()
     os.environ.update(env)  # the plugin's options, read at resolution
-    args = ServerArgs(**fields)
     try:
+        args = prepare_server_args(given) if how == "argv" else ServerArgs(**given)
         args.resolve_once()
         result = f"RESOLVED {args.speculative_algorithm}"
     except Exception as e:
@@ -264,8 +290,9 @@ REJECTION_SAMPLING_FIELDS = EAGLE | {"speculative_use_rejection_sampling": True,
 
 @pytest.fixture(scope="module")
 def resolved(perm, tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
-    """SGLang's real argument resolution (with this plugin registered) of every case below, in
-    one child process: {case: (RESOLVED <algorithm> or ERROR <type> <message>, logged messages)}."""
+    """SGLang's real argument resolution (with this plugin registered) of every case below and
+    every argument-time refusal's launcher arguments, in one child process: {case: (RESOLVED
+    <algorithm> or ERROR <type> <message>, logged messages)}."""
     tmp_path = tmp_path_factory.mktemp("resolve")
     maps = {"hot": perm.token_map("hot")}
     torch.save(torch.arange(perm.vocab_size), tmp_path / "whole.pt")
@@ -277,8 +304,9 @@ def resolved(perm, tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
         "rejection sampling, whole vocab": ("whole", REJECTION_SAMPLING_FIELDS, {}),
         **{f"adapt {name}": ("hot", EAGLE | extra, ADAPT) for name, extra in ADAPT_RESOLVED.items()},
     }
-    fields = [
+    given = [
         [
+            "fields",
             {"model_path": perm.target, "device": "cpu", "tp_size": 2, "speculative_token_map": maps[name]}
             | ({"speculative_draft_model_path": perm.draft} if extra else {})
             | extra,
@@ -286,8 +314,14 @@ def resolved(perm, tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
         ]
         for name, extra, env in cases.values()
     ]
+    refusals = _argument_time_cases(perm, tmp_path)
+    cases |= refusals
+    given += [
+        ["argv", fixture_server_args(perm, 2, token_map, extra=tuple(extra)), env]
+        for token_map, extra, env, _ in refusals.values()
+    ]
     status, output = run_python(
-        RESOLVE, [json.dumps(fields)], cpu_env(2), tmp_path / "resolve.log", timeout=300
+        RESOLVE, [json.dumps(given)], cpu_env(2), tmp_path / "resolve.log", timeout=300
     )
     assert status == 0, output[-3000:]
     results = [json.loads(line[5:]) for line in output.splitlines() if line.startswith("CASE ")]
