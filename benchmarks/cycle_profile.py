@@ -16,13 +16,14 @@ extend over the accepted tokens what one draft step costs.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 PROFILE_SITE = Path(__file__).resolve().parent / "profile_site"
 sys.path.insert(0, str(PROFILE_SITE))
 from frspec_profile import DIR_ENV, SEP  # noqa: E402  (the plugin's names; it imports no SGLang here)
+
+from sglang_frspec.demo.cpu import pythonpath_with  # noqa: E402
 
 PLUGIN = "frspec_profile"  # its entry point (profile_site/frspec_profile-0.1.0.dist-info)
 DECODE = "DECODE"  # the scheduler's forward mode of a decode cycle, plain or speculative
@@ -41,8 +42,7 @@ def profiled_env(env: dict, folder: Path) -> dict:
     The profiling plugin's site joins ``PYTHONPATH`` unless it is there already (the test suite
     puts it on every process's path, so a profiled server forks from the zygote of the others)."""
     folder.mkdir(parents=True, exist_ok=True)
-    entries = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    path = os.pathsep.join(entries if str(PROFILE_SITE) in entries else [*entries, str(PROFILE_SITE)])
+    path = pythonpath_with(env, PROFILE_SITE)
     plugins = ",".join(filter(None, [env.get("SGLANG_PLUGINS"), PLUGIN]))
     return env | {"PYTHONPATH": path, "SGLANG_PLUGINS": plugins, DIR_ENV: str(folder)}
 

@@ -74,8 +74,10 @@ ADAPT_REFUSED = {  # name: (extra args, env, message)
 }  # fmt: skip
 
 
-def _argument_time_cases(perm, tmp_path) -> dict[str, tuple[str, list[str], dict, str]]:
+@pytest.fixture(scope="module")
+def argument_time_cases(perm, tmp_path_factory) -> dict[str, tuple[str, list[str], dict, str]]:
     """{case: (token map, extra launcher arguments, env, message)} of every argument-time refusal."""
+    tmp_path = tmp_path_factory.mktemp("bad-maps")
     cases = {
         f"map {case}": (_write_map(tmp_path, case), [], {}, message)
         for case, (_, message) in BAD_MAPS.items()
@@ -99,15 +101,16 @@ LAUNCHED = ("map garbage", "args --speculative-algorithm STANDALONE", "adapt pd"
 
 
 @pytest.fixture(scope="module")
-def argument_time_exits(perm, tmp_path_factory) -> dict[str, tuple[int | None, str, str]]:
+def argument_time_exits(
+    perm, argument_time_cases, tmp_path_factory
+) -> dict[str, tuple[int | None, str, str]]:
     """Each ``LAUNCHED`` case as its own real TP=2 launcher (forked from a zygote that made the
     launcher's first imports), run to its exit a core's worth at a time: {case: (exit status or
     None if still running after ARGUMENT_TIME_EXIT, log, the message it must give)}."""
     tmp_path = tmp_path_factory.mktemp("argument-time")
-    cases = _argument_time_cases(perm, tmp_path)
 
     def launch(i: int, case: str) -> tuple[int | None, str, str]:
-        token_map, extra, env, message = cases[case]
+        token_map, extra, env, message = argument_time_cases[case]
         log = tmp_path / f"launch{i}.log"
         server = fixture_server(perm, 2, log, token_map, extra=tuple(extra), env=env).start()
         try:
@@ -289,7 +292,7 @@ REJECTION_SAMPLING_FIELDS = EAGLE | {"speculative_use_rejection_sampling": True,
 
 
 @pytest.fixture(scope="module")
-def resolved(perm, tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
+def resolved(perm, argument_time_cases, tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
     """SGLang's real argument resolution (with this plugin registered) of every case below and
     every argument-time refusal's launcher arguments, in one child process: {case: (RESOLVED
     <algorithm> or ERROR <type> <message>, logged messages)}."""
@@ -314,11 +317,10 @@ def resolved(perm, tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
         ]
         for name, extra, env in cases.values()
     ]
-    refusals = _argument_time_cases(perm, tmp_path)
-    cases |= refusals
+    cases |= argument_time_cases
     given += [
         ["argv", fixture_server_args(perm, 2, token_map, extra=tuple(extra)), env]
-        for token_map, extra, env, _ in refusals.values()
+        for token_map, extra, env, _ in argument_time_cases.values()
     ]
     status, output = run_python(
         RESOLVE, [json.dumps(given)], cpu_env(2), tmp_path / "resolve.log", timeout=300

@@ -33,6 +33,13 @@ def cpu_env(tp_size: int, *, with_plugin: bool = True, base: dict | None = None)
     return env
 
 
+def pythonpath_with(env: dict, entry: Path | str) -> str:
+    """``env``'s ``PYTHONPATH`` with ``entry`` first, unless it is on it already (then unchanged, so
+    an environment keyed on, as the test zygotes are, stays the same)."""
+    entries = [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e]
+    return os.pathsep.join(entries if str(entry) in entries else [str(entry), *entries])
+
+
 # Server arguments every CPU run needs (EAGLE on CPU runs only on the intel_amx backend).
 CPU_SERVER_ARGS = [
     "--device",

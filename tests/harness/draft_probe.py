@@ -12,11 +12,11 @@ from the objects SGLang drafts with, not from the plugin's record of its own ten
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_frspec.demo.cpu import pythonpath_with
 from tools.serving.zygote import ForkedProcess, forked_launch
 
 logger = logging.getLogger(__name__)
@@ -73,10 +73,10 @@ def probed_launch(env: dict, args: list[str], log_path: Path) -> ForkedProcess:
     """``forked_launch`` with this plugin loaded too (a launch for ``start_server(launch=...)``).
     The test session has ``PROBE_SITE`` on ``PYTHONPATH`` already (tests/conftest.py), so the
     launch shares the suite's zygote; elsewhere it is added here."""
-    paths = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    if str(PROBE_SITE) not in paths:
-        paths.insert(0, str(PROBE_SITE))
-    env = env | {"PYTHONPATH": os.pathsep.join(paths), "SGLANG_PLUGINS": f"{env['SGLANG_PLUGINS']},{PLUGIN}"}
+    env = env | {
+        "PYTHONPATH": pythonpath_with(env, PROBE_SITE),
+        "SGLANG_PLUGINS": f"{env['SGLANG_PLUGINS']},{PLUGIN}",
+    }
     return forked_launch(env, args, log_path)
 
 

@@ -30,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+from sglang_frspec.demo.cpu import pythonpath_with
 from sglang_frspec.demo.server import LAUNCHER
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,9 +118,7 @@ class Zygote:
         self.log_path = self._dir / "zygote.log"
         # This module and the modules it forks (tests.* for the suite's ranks) are found from the
         # repository root.
-        path = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
-        if str(REPO) not in path:
-            env = env | {"PYTHONPATH": os.pathsep.join([str(REPO), *path])}
+        env = env | {"PYTHONPATH": pythonpath_with(env, REPO)}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, *preload],
