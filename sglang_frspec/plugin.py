@@ -3,7 +3,8 @@
 ``register()`` only registers hooks; SGLang applies them in every process that loads plugins
 (the launcher and each scheduler), before the draft worker is built. It first checks the
 contract with SGLang (``adapters/contract.py``): a changed SGLang gets none of the hooks of the
-table (``adapters/hooks.py``), only the argument-time refusal of what would then crash. Nothing
+table (``adapters/hooks.py``), only the argument-time refusal of what would then crash; a
+supported one gets the table's hooks and those of its form of each seam where releases differ. Nothing
 here imports SGLang before that check.
 """
 
@@ -23,9 +24,9 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_frspec.adapters.args import check_speculative_args
-    from sglang_frspec.adapters.hooks import HOOKS, hook_target
+    from sglang_frspec.adapters.hooks import hook_target
 
-    for hook in HOOKS:
+    for hook in contract.active_hooks(contract.running_forms()):
         handler = pkgutil.resolve_name(hook.handler)
         HookRegistry.register(hook_target(hook.target), handler, HookType[hook.kind])
     register_resolution_hook("handle_speculative_decoding")(check_speculative_args)

@@ -15,6 +15,7 @@ import pytest
 import tomllib
 from packaging.requirements import Requirement
 
+from scripts.check_sglang_releases import release_test_runs
 from scripts.gpu_kit import KIT_PINS
 from sglang_frspec.adapters import contract
 from sglang_frspec.adapters.contract_check import (
@@ -23,9 +24,8 @@ from sglang_frspec.adapters.contract_check import (
     Named,
     Signature,
     SourceSGLang,
-    problems,
 )
-from sglang_frspec.adapters.hooks import HOOKS, hook_target
+from sglang_frspec.adapters.hooks import VARIANTS, hook_target
 from sglang_frspec.demo.cpu import cpu_env
 from tests.harness.forked_python import run_python
 
@@ -40,13 +40,22 @@ def _pins() -> dict[str, str]:
     return dict(line.split("==") for line in text.splitlines() if line and not line.startswith("#"))
 
 
+@pytest.mark.every_release
 def test_contract_holds_on_the_installed_sglang_live_and_from_source():
-    assert problems(LiveSGLang(), contract.CONTRACT) == []
-    assert problems(SourceSGLang(SITE, INSTALLED), contract.CONTRACT) == []
+    assert contract.contract_problems(LiveSGLang()) == []
+    assert contract.contract_problems(SourceSGLang(SITE, INSTALLED)) == []
+    live = {seam: form.name for seam, form in contract.running_forms().items()}
+    source = {
+        seam: form.name for seam, form in contract.choose_forms(SourceSGLang(SITE, INSTALLED))[0].items()
+    }
+    assert live == source and set(live) == {variant.seam for variant in VARIANTS}
 
 
 def _contract_files() -> list[str]:
-    modules = {e.module if isinstance(e, Named) else e.target.partition(":")[0] for e in contract.CONTRACT}
+    forms = [entry for variant in VARIANTS for form in variant.forms for entry in form.entries]
+    modules = {
+        e.module if isinstance(e, Named) else e.target.partition(":")[0] for e in [*contract.CONTRACT, *forms]
+    }
     files = []
     for module in sorted(modules):
         relative = module.replace(".", "/")
@@ -120,6 +129,14 @@ SOURCE_CHANGES = {
         '"attn_tp_grp"',
         "sglang.srt.runtime_context no longer names 'attn_tp_group'",
     ),
+    "a seam in no known form": (
+        "sglang/srt/layers/logits_processor.py",
+        "        use_buffer: bool = True,\n        softcap: Optional[float] = None,\n",
+        "        use_buffer: bool = True,\n        cap: Optional[float] = None,\n",
+        "no known form of the softcap seam (as fused_with_copy: LogitsProcessor._copy_logits_to_buffer "
+        "takes (self, logits, logits_metadata, use_buffer=, cap=), not (self, logits, logits_metadata, "
+        "use_buffer=, softcap=) / as after_copy: ",
+    ),
     "module removed": (
         "sglang/srt/plugins/hook_registry.py",
         None,
@@ -130,14 +147,14 @@ SOURCE_CHANGES = {
 
 
 def test_an_unchanged_copy_of_the_source_keeps_the_contract(tmp_path):
-    assert problems(SourceSGLang(_release_wheel(tmp_path / "r.whl"), INSTALLED), contract.CONTRACT) == []
+    assert contract.contract_problems(SourceSGLang(_release_wheel(tmp_path / "r.whl"), INSTALLED)) == []
 
 
 @pytest.mark.parametrize("change", SOURCE_CHANGES)
 def test_the_source_check_names_each_kind_of_change(tmp_path, change):
     file, old, new, expected = SOURCE_CHANGES[change]
     release = SourceSGLang(_release_wheel(tmp_path / "r.whl", file, old, new), "9.9.9")
-    found = problems(release, contract.CONTRACT)
+    found = contract.contract_problems(release)
     assert any(expected in problem for problem in found), found
 
 
@@ -206,14 +223,17 @@ def test_a_changed_sglang_gets_no_hooks_and_a_token_map_at_tp2_is_refused(perm, 
     assert log[0].endswith(result["tp2"].split(": ", 1)[1])  # the logged line is the error
 
 
+@pytest.mark.every_release
 def test_register_installs_the_hook_table_and_the_contract_checks_every_target(perm, tmp_path):
-    """register() installs exactly the targets of adapters/hooks.py, and each is a contract
-    Signature (a changed target then installs no hook instead of failing late)."""
+    """register() installs exactly the targets of adapters/hooks.py for this SGLang's forms, and
+    each is a contract Signature (a changed target then installs no hook instead of failing late)."""
     result, log = _run_live("none", perm, tmp_path)
     assert log == []
     assert result["tp2"] == "resolved" and result["hooks"], result
-    assert set(result["hooks"]) == {hook_target(h.target) for h in HOOKS}
-    hooked = {hook_target(e.target) for e in contract.CONTRACT if isinstance(e, Signature)}
+    forms = contract.running_forms()
+    assert set(result["hooks"]) == {hook_target(h.target) for h in contract.active_hooks(forms)}
+    checked = contract.CONTRACT + tuple(entry for form in forms.values() for entry in form.entries)
+    hooked = {hook_target(e.target) for e in checked if isinstance(e, Signature)}
     assert set(result["hooks"]) <= hooked, set(result["hooks"]) - hooked
     assert set(result["patched"]) == set(result["hooks"])
     steps = {e.value for e in contract.CONTRACT if isinstance(e, Contains)}
@@ -246,7 +266,16 @@ def test_readme_compatibility_table_matches_the_check_of_the_installed_release()
     block = re.search(r"<!-- sglang-compat:begin -->\n(.*?)\n<!-- sglang-compat:end -->", readme, re.DOTALL)
     assert block, "README.md lacks the compatibility table markers"
     readme_lines = block.group(1).splitlines()
-    found = problems(SourceSGLang(SITE, INSTALLED), contract.CONTRACT)
-    generated = contract.compatibility_table([(INSTALLED, found)], tested=_pins()["sglang"]).splitlines()
+    source = SourceSGLang(SITE, INSTALLED)
+    (torch_pin,) = [
+        r.split("==")[1] for r in importlib.metadata.requires("sglang") if r.startswith("torch==")
+    ]
+    release = contract.ReleaseCheck(
+        INSTALLED,
+        torch_pin,
+        contract.contract_problems(source),
+        {seam: form.name for seam, form in contract.choose_forms(source)[0].items()},
+    )
+    generated = contract.compatibility_table([release], release_test_runs([INSTALLED])).splitlines()
     assert readme_lines[:2] == generated[:2]
     assert [line for line in readme_lines if line.startswith(f"| {INSTALLED} |")] == generated[2:]

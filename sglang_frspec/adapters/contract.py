@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 from sglang_frspec.adapters.contract_check import (
     Attribute,
@@ -24,21 +25,25 @@ from sglang_frspec.adapters.contract_check import (
     LiveSGLang,
     Named,
     Signature,
+    SourceSGLang,
     problems,
 )
 from sglang_frspec.adapters.hooks import (
     DRAFT_GRAPH,
     EAGLE_V2,
     HOOKS,
+    LOGITS,
     REPORTER,
     SCHEDULER,
+    VARIANTS,
     WEIGHT_UPDATER,
     WORKER,
+    Form,
+    Hook,
 )
 
 logger = logging.getLogger(__name__)
 
-LOGITS = "sglang.srt.layers.logits_processor:LogitsProcessor"
 VOCAB_MODULE = "sglang.srt.layers.vocab_parallel_embedding"
 VOCAB = f"{VOCAB_MODULE}:VocabParallelEmbedding"
 BATCH_RESULT = "sglang.srt.managers.utils:GenerationBatchResult"
@@ -77,8 +82,14 @@ CONTRACT: tuple[Entry, ...] = (
         "classmethod (cls, target, hook, hook_type=, *, source=)",
     ),
     Attribute("sglang.srt.plugins.hook_registry:HookRegistry._patched"),
-    *(Attribute(f"sglang.srt.plugins.hook_registry:HookType.{k}") for k in sorted({h.kind for h in HOOKS})),
-    # hooks.py: every hooked target, with the parameters its handler relies on
+    *(
+        Attribute(f"sglang.srt.plugins.hook_registry:HookType.{k}")
+        for k in sorted(
+            {h.kind for h in HOOKS} | {h.kind for v in VARIANTS for f in v.forms for h in f.hooks}
+        )
+    ),
+    # hooks.py: every hooked target, with the parameters its handler relies on (those of the
+    # variants' hooks: the running form's, below)
     *(Signature(target, params) for target, params in dict.fromkeys((h.target, h.params) for h in HOOKS)),
     # args.py: server arguments read through resolving_view
     Attribute("sglang.srt.arg_groups.fields.spec:Spec.enable_multi_layer_eagle"),
@@ -87,7 +98,6 @@ CONTRACT: tuple[Entry, ...] = (
     Attribute("sglang.srt.arg_groups.fields.model:Model.trust_remote_code"),
     Attribute("sglang.srt.arg_groups.fields.model:Model.revision"),
     # worker.py: the EAGLE draft worker (hooked methods, what the hooks call and read)
-    Signature(f"{WORKER}._resolve_shared_embed_and_head", "(self)"),
     Attribute(f"{WORKER}.hot_token_id"),
     Attribute(f"{WORKER}.draft_runner"),
     Attribute(f"{WORKER}.target_worker"),
@@ -136,7 +146,6 @@ CONTRACT: tuple[Entry, ...] = (
     # plugin.py and worker.py: weight updates (AFTER hooks pass the arguments through)
     Attribute(f"{WEIGHT_UPDATER}.draft_worker"),
     Attribute(f"{EAGLE_V2}._draft_worker"),
-    Attribute("sglang.srt.managers.io_struct:EndWeightUpdateReqOutput.success"),
     # coverage.py (and an AFTER hook on init_lm_head, above): the committed tokens of each verify
     # step, and where the scheduler reports
     *(Attribute(f"{BATCH_RESULT}.{name}") for name in COMMITTED_FIELDS),
@@ -163,12 +172,9 @@ CONTRACT: tuple[Entry, ...] = (
     Attribute("sglang.srt.managers.schedule_batch:ScheduleBatch.reqs"),
     Signature("sglang.srt.runtime_context:get_disagg", "()"),
     Attribute("sglang.srt.arg_groups.fields.disagg:Disagg.disaggregation_mode"),
-    # ... and, under rejection sampling, the decode node's first proposal q, rebuilt over the hot
-    # columns with stock's builder
+    # ... and, under rejection sampling, the decode node's first proposal q (rebuilt one-hot over
+    # the hot columns where stock builds one)
     Attribute("sglang.srt.speculative.eagle_info:EagleDraftInput.draft_probs"),
-    Signature(
-        "sglang.srt.speculative.eagle_disaggregation:pd_first_draft_proposal", "(topk_index, vocab_size)"
-    ),
     # ... and, under the overlap scheduler, the stash the builder makes of that input (held until
     # translated)
     Signature("sglang.srt.managers.overlap_utils:FutureMap.stash", "(self, future_indices, payload)"),
@@ -215,17 +221,14 @@ CONTRACT: tuple[Entry, ...] = (
         f"{LOGITS}._get_logits",
         "(self, hidden_states, lm_head, logits_metadata, embedding_bias=, use_logits_buffer=)",
     ),
-    Signature(f"{LOGITS}._compute_lm_head", "(self, hidden_states, lm_head, embedding_bias=, *, out=)"),
     Attribute("sglang.srt.layers.logits_processor:fused_softcap"),
     Signature(f"{LOGITS}._gather_dp_attn_hidden_states", "(self, hidden_states, logits_metadata)"),
     Signature(f"{LOGITS}._scatter_dp_attn_logits", "(self, logits, local_hidden_states, logits_metadata)"),
-    Signature(f"{LOGITS}._copy_logits_to_buffer", "(self, logits, logits_metadata, use_buffer=, softcap=)"),
     *(
         Attribute(f"{LOGITS}.{name}")
         for name in (
             "vocab_size",
             "use_fp32_lm_head",
-            "use_fp32_lm_head_output",  # from the config's enable_lm_head_output_fp32
             "logit_scale",
             "final_logit_softcapping",
         )
@@ -291,10 +294,51 @@ class ContractCheck:
     refusable: bool = False
 
 
+def choose_forms(sglang: LiveSGLang | SourceSGLang) -> tuple[dict[str, Form], list[str]]:
+    """Per seam of ``VARIANTS``, the first form whose entries all hold in ``sglang``; and one
+    problem for each seam that none of its forms fits (each form's own problems named)."""
+    chosen: dict[str, Form] = {}
+    unmatched: list[str] = []
+    for variant in VARIANTS:
+        found = {form.name: problems(sglang, form.entries) for form in variant.forms}
+        fitting = [form for form in variant.forms if not found[form.name]]
+        if fitting:
+            chosen[variant.seam] = fitting[0]
+        else:
+            tried = " / ".join(f"as {name}: {'; '.join(p)}" for name, p in found.items())
+            unmatched.append(f"no known form of the {variant.seam} seam ({tried})")
+    return chosen, unmatched
+
+
+def contract_problems(sglang: LiveSGLang | SourceSGLang) -> list[str]:
+    """Everything in ``sglang`` that breaks the contract: ``CONTRACT``'s entries and the seams
+    that no known form fits."""
+    return problems(sglang, CONTRACT) + choose_forms(sglang)[1]
+
+
+def active_hooks(forms: dict[str, Form]) -> tuple[Hook, ...]:
+    """The hooks installed on an SGLang of these forms: the table's, then the forms' own."""
+    return HOOKS + tuple(hook for form in forms.values() for hook in form.hooks)
+
+
+@cache
+def running_forms() -> dict[str, Form]:
+    """The forms of the SGLang this process runs (read once; the same on every rank)."""
+    return choose_forms(LiveSGLang())[0]
+
+
+def running_form(seam: str) -> str:
+    """The name of the running SGLang's form of ``seam`` (handlers branch on it)."""
+    form = running_forms().get(seam)
+    if form is None:  # the contract check refused this SGLang: no handler runs on it
+        raise RuntimeError(f"sglang-frspec: the running SGLang has no known form of the {seam} seam")
+    return form.name
+
+
 def check_running_sglang() -> ContractCheck:
     """Check the running SGLang against the contract; a broken one is logged in one line."""
     live = LiveSGLang()
-    found = problems(live, CONTRACT)
+    found = contract_problems(live)
     if not found:
         return ContractCheck(holds=True)
     refusable = not problems(live, ARGUMENT_TIME)
@@ -303,11 +347,30 @@ def check_running_sglang() -> ContractCheck:
     return ContractCheck(holds=False, message=message, refusable=refusable)
 
 
-def compatibility_table(results: list[tuple[str, list[str]]], tested: str) -> str:
-    """The README's compatibility table: one row per (release, problems), newest first."""
-    lines = [f"| SGLang | contract ({len(CONTRACT)} entries) | test suite |", "|---|---|---|"]
-    for version, found in results:
-        contract = "holds" if not found else "broken: " + "; ".join(found)
-        suite = "runs on it (constraints.txt)" if version == tested else "not run"
-        lines.append(f"| {version} | {contract} | {suite} |")
+@dataclass(frozen=True)
+class ReleaseCheck:
+    """One release as the source check found it: the torch it pins, its problems, its forms."""
+
+    version: str
+    torch: str
+    problems: list[str]
+    forms: dict[str, str]  # seam -> form name
+
+
+def compatibility_table(releases: list[ReleaseCheck], tests: dict[str, str]) -> str:
+    """The README's compatibility table, newest release first; ``tests`` says, per release, which
+    tests run on it and where (absent: none)."""
+    newest = {variant.seam: variant.forms[0].name for variant in VARIANTS}
+    lines = [
+        f"| SGLang | torch | contract ({len(CONTRACT)} entries, {len(VARIANTS)} seams with forms) "
+        "| older forms it takes | tests |",
+        "|---|---|---|---|---|",
+    ]
+    for release in releases:
+        contract = "holds" if not release.problems else "broken: " + "; ".join(release.problems)
+        older = [f"{seam}: {name}" for seam, name in release.forms.items() if name != newest[seam]]
+        lines.append(
+            f"| {release.version} | {release.torch} | {contract} | {', '.join(older) or '-'} "
+            f"| {tests.get(release.version, 'not run')} |"
+        )
     return "\n".join(lines)

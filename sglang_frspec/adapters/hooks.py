@@ -1,15 +1,23 @@
-"""The one table of the SGLang hooks this plugin installs: target, handler, hook type.
+"""The one table of the SGLang hooks this plugin installs, and where SGLang releases differ.
 
-``plugin.register()`` loops over ``HOOKS``, ``contract.CONTRACT`` checks every target's signature,
-and the tests read it. Targets are spelled as the contract spells them (``module:Qualified.name``);
-handlers are ``module:function`` of this package, imported only once the contract holds (they
-import SGLang). Hooks on one target wrap in table order: a later hook wraps an earlier one. This
-module imports nothing from SGLang.
+``HOOKS`` holds the hooks every supported release takes: target, handler, hook type.
+``VARIANTS`` holds each seam where the supported releases differ: its forms, newest first, each
+named by the contract entries that identify it in an SGLang and carrying the hooks installed with
+it. The running SGLang takes, per seam, the first form whose entries hold (read from its
+signatures and names at start-up, never from its version string; ``contract.running_forms``).
+
+``plugin.register()`` installs ``HOOKS`` plus the chosen forms' hooks, ``contract`` checks every
+target's signature, and the tests read both. Targets are spelled as the contract spells them
+(``module:Qualified.name``); handlers are ``module:function`` of this package, imported only once
+the contract holds (they import SGLang). Hooks on one target wrap in table order: a later hook
+wraps an earlier one. This module imports nothing from SGLang.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from sglang_frspec.adapters.contract_check import Attribute, Entry, Signature
 
 WORKER = "sglang.srt.speculative.eagle_worker_v2:EagleDraftWorker"
 EAGLE_V2 = "sglang.srt.speculative.eagle_worker_v2:EAGLEWorkerV2"
@@ -43,7 +51,7 @@ HOOKS: tuple[Hook, ...] = (
         "AROUND",
         "(self, memory_pool_config=, req_to_token_pool=, token_to_kv_pool_allocator=)",
     ),
-    Hook(f"{WORKER}.draft", f"{ON_WORKER}after_draft", "AFTER", "(self, batch, *, with_topology=)"),
+    Hook(f"{WORKER}.draft", f"{ON_WORKER}after_draft", "AFTER", None),  # (self, batch, ...): VARIANTS
     # ... and every q the draft-decode CUDA graph reads made H wide: its buffer, an idle batch's
     Hook(
         f"{DRAFT_GRAPH}.capture_one_shape",
@@ -51,15 +59,10 @@ HOOKS: tuple[Hook, ...] = (
         "AROUND",
         "(self, size, forward, stream_idx=, variant_label=, attention_variant=)",
     ),
-    Hook(f"{WORKER}.draft", f"{ON_WORKER}before_draft", "BEFORE", "(self, batch, *, with_topology=)"),
+    Hook(f"{WORKER}.draft", f"{ON_WORKER}before_draft", "BEFORE", None),
     # coverage.py: counters over the hot head installed just above (this hook wraps that one)
     Hook(f"{WORKER}.init_lm_head", f"{ON_COVERAGE}install_after_init_lm_head", "AFTER", "(self)"),
-    Hook(
-        f"{EAGLE_V2}.verify",
-        f"{ON_COVERAGE}count_after_verify",
-        "AFTER",
-        "(self, batch, pp_proxy_tensors=, grammar_barrier=)",
-    ),
+    Hook(f"{EAGLE_V2}.verify", f"{ON_COVERAGE}count_after_verify", "AFTER", None),  # (self, batch, ...)
     Hook(f"{REPORTER}.report_decode_stats", f"{ON_COVERAGE}report_after_decode_stats", "AFTER", None),
     Hook(f"{SCHEDULER}.on_idle", f"{ON_COVERAGE}publish_after_idle", "AFTER", "(self)"),
     Hook(f"{SCHEDULER}.release_host_resources", f"{ON_COVERAGE}flush_after_release", "AFTER", "(self)"),
@@ -76,13 +79,147 @@ HOOKS: tuple[Hook, ...] = (
         "AROUND",
         "(batch, last_tokens_tensor, future_map)",
     ),
-    # worker.py: weight updates; one-call updates, and the end of a begin/end session (tensor,
-    # distributed and P2P/RDMA updates)
+    # worker.py: weight updates that complete in one call (the others: VARIANTS)
     *(
         Hook(f"{WEIGHT_UPDATER}.{method}", f"{ON_WORKER}refresh_after_complete_update", "AFTER", None)
         for method in ("update_weights_from_disk", "update_weights_from_ipc")
     ),
-    Hook(f"{WEIGHT_UPDATER}.end_weight_update", f"{ON_WORKER}refresh_after_session_end", "AFTER", None),
+)
+
+
+@dataclass(frozen=True)
+class Form:
+    """One form of a seam: the entries that identify it in an SGLang (the plugin relies on them
+    where it takes this form) and the hooks installed with it."""
+
+    name: str
+    entries: tuple[Entry, ...]
+    hooks: tuple[Hook, ...] = ()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A seam where the supported releases differ, with its forms (the newest release's first)."""
+
+    seam: str
+    forms: tuple[Form, ...]
+
+
+LOGITS = "sglang.srt.layers.logits_processor:LogitsProcessor"
+
+# To serve a new release that changes a seam: add its form here (first), branch the handler on
+# ``contract.running_form(seam)``, and docs/compatibility.md says the rest.
+VARIANTS: tuple[Variant, ...] = (
+    # hooks.py's draft and verify hooks rely on (self, batch) only; the rest is passed through
+    Variant(
+        "draft",
+        (
+            Form("with_topology", (Signature(f"{WORKER}.draft", "(self, batch, *, with_topology=)"),)),
+            Form("batch", (Signature(f"{WORKER}.draft", "(self, batch)"),)),
+        ),
+    ),
+    Variant(
+        "verify",
+        (
+            Form(
+                "pp_proxy_tensors",
+                (Signature(f"{EAGLE_V2}.verify", "(self, batch, pp_proxy_tensors=, grammar_barrier=)"),),
+            ),
+            Form("batch", (Signature(f"{EAGLE_V2}.verify", "(self, batch, grammar_barrier=)"),)),
+        ),
+    ),
+    # worker.py: where the draft's embedding and the target's head shard come from
+    Variant(
+        "shared_embed_and_head",
+        (
+            Form("resolver", (Signature(f"{WORKER}._resolve_shared_embed_and_head", "(self)"),)),
+            Form(
+                "target_model",
+                (Signature("sglang.srt.models.llama:LlamaForCausalLM.get_embed_and_head", "(self)"),),
+            ),
+        ),
+    ),
+    # worker.py: tensor and distributed weight updates (and P2P/RDMA writes) run inside a
+    # begin/end session, so they refresh once at its end; before sessions, each is one call
+    Variant(
+        "weight_updates",
+        (
+            Form(
+                "sessions",
+                (
+                    Signature(f"{WEIGHT_UPDATER}.end_weight_update", "(self, recv_req)"),
+                    Attribute("sglang.srt.managers.io_struct:EndWeightUpdateReqOutput.success"),
+                ),
+                (
+                    Hook(
+                        f"{WEIGHT_UPDATER}.end_weight_update",
+                        f"{ON_WORKER}refresh_after_session_end",
+                        "AFTER",
+                        None,
+                    ),
+                ),
+            ),
+            Form(
+                "one_call",
+                tuple(
+                    Signature(f"{WEIGHT_UPDATER}.{method}", "(self, recv_req)")
+                    for method in ("update_weights_from_tensor", "update_weights_from_distributed")
+                ),
+                tuple(
+                    Hook(
+                        f"{WEIGHT_UPDATER}.{method}",
+                        f"{ON_WORKER}refresh_after_complete_update",
+                        "AFTER",
+                        None,
+                    )
+                    for method in ("update_weights_from_tensor", "update_weights_from_distributed")
+                ),
+            ),
+        ),
+    ),
+    # logits.py: stock casts and caps half-precision CUDA logits in one fused copy, or caps after
+    # the copy
+    Variant(
+        "softcap",
+        (
+            Form(
+                "fused_with_copy",
+                (
+                    Signature(
+                        f"{LOGITS}._copy_logits_to_buffer",
+                        "(self, logits, logits_metadata, use_buffer=, softcap=)",
+                    ),
+                ),
+            ),
+            Form(
+                "after_copy",
+                (
+                    Signature(
+                        f"{LOGITS}._copy_logits_to_buffer", "(self, logits, logits_metadata, use_buffer=)"
+                    ),
+                ),
+            ),
+        ),
+    ),
+    # logits.py calls stock's GEMM as (hidden_states, lm_head); newer releases add an output buffer
+    Variant(
+        "lm_head_gemm",
+        (
+            Form(
+                "out_buffer",
+                (
+                    Signature(
+                        f"{LOGITS}._compute_lm_head",
+                        "(self, hidden_states, lm_head, embedding_bias=, *, out=)",
+                    ),
+                ),
+            ),
+            Form(
+                "plain",
+                (Signature(f"{LOGITS}._compute_lm_head", "(self, hidden_states, lm_head, embedding_bias=)"),),
+            ),
+        ),
+    ),
 )
 
 

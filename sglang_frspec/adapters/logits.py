@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.layers.logits_processor import LogitsMetadata, LogitsProcessor, fused_softcap
 
+from sglang_frspec.adapters.contract import running_form
 from sglang_frspec.adapters.head import HeadShard
 from sglang_frspec.core import HotLogitsExchange, HotShardPlan, UnsupportedSetupError
 from sglang_frspec.core.exchange_rule import exchange_at_start, exchange_for_step
@@ -39,6 +40,8 @@ class FrSpecLogitsProcessor(LogitsProcessor):
         self.exchange = exchange_at_start(exchange, plan, topk, needs_distribution=needs_distribution)
         self.topk = topk
         self.hot_logits = HotLogitsExchange(plan, shard.rank, device)
+        # Releases whose copy takes no softcap cap after it in float32, as this does unfused.
+        self.softcap_fuses_with_copy = running_form("softcap") == "fused_with_copy"
 
     def exchange_for_rows(self, local: torch.Tensor) -> str:
         """The exchange for this step's ``[rows, width]`` local logits (the same on every rank)."""
@@ -100,10 +103,18 @@ class FrSpecLogitsProcessor(LogitsProcessor):
             logits = self.hot_logits.full(local, self.shard.all_gather)
         logits = self._scatter_dp_attn_logits(logits, local_hidden_states, logits_metadata)
         # As stock: cast to float32 (into the graph buffer when it fits), then cap in float32.
-        fuse_cast_softcap = bool(cap) and logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16)
-        logits = self._copy_logits_to_buffer(
-            logits, logits_metadata, use_buffer=use_logits_buffer, softcap=cap if fuse_cast_softcap else None
+        fuse_cast_softcap = (
+            bool(cap)
+            and self.softcap_fuses_with_copy
+            and logits.is_cuda
+            and logits.dtype in (torch.float16, torch.bfloat16)
         )
+        if fuse_cast_softcap:
+            logits = self._copy_logits_to_buffer(
+                logits, logits_metadata, use_buffer=use_logits_buffer, softcap=cap
+            )
+        else:
+            logits = self._copy_logits_to_buffer(logits, logits_metadata, use_buffer=use_logits_buffer)
         if cap and not fuse_cast_softcap:
             logits = self._softcap_float32(logits)
         return logits.contiguous()

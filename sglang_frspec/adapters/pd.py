@@ -17,11 +17,12 @@ row already holds, drafts the first id of the map file that the row does not hol
 commit a token drafted twice with twice its probability); outside positions are warned about once.
 
 Under rejection sampling the decode node's first verify reads a proposal distribution q that stock
-builds one-hot at the received index over the *target* vocab (``pd_first_draft_proposal``: the
-prefill node ships the drafts, not q). With a map that index is a hot index, and the draft's later
-steps give q over the H hot columns: the plugin builds it one-hot over the hot columns at the
-canonical index instead, so the draft's ``[bs, steps, H]`` stack is laid over the vocab with the rest
-(``worker.after_draft``) and q is one at the drafted token.
+builds one-hot at the received index over the *target* vocab (``pd_first_draft_proposal``, where a
+release has it: the prefill node ships the drafts, not q; older releases build no q there). With a
+map that index is a hot index, and the draft's later steps give q over the H hot columns: the
+plugin builds it one-hot over the hot columns at the canonical index instead, so the draft's
+``[bs, steps, H]`` stack is laid over the vocab with the rest (``worker.after_draft``) and q is one
+at the drafted token.
 
 Each scheduler process serves one draft worker, which installs its wire order here when it
 starts on a PD node; processes without one (no map, not PD) translate nothing.
@@ -36,6 +37,7 @@ import torch
 from sglang.srt.runtime_context import get_disagg
 
 from sglang_frspec.core import HotIds, HotWireOrder
+from sglang_frspec.core.hot_probs import one_hot_probs
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +138,5 @@ def _translate(spec_info, batch) -> None:
     spec_info.topk_index = _wire_order.from_wire(spec_info.topk_index)
     if spec_info.draft_probs is not None:  # rejection sampling: q over the hot columns, one-hot
         # at the tokens drafted (replacements included), so the first verify stays exact
-        # Imported here: a name SGLang lost is the contract check's to report, not an ImportError.
-        from sglang.srt.speculative.eagle_disaggregation import pd_first_draft_proposal
-
-        proposal = pd_first_draft_proposal(spec_info.topk_index, _wire_order.canonical_to_file.numel())
+        proposal = one_hot_probs(spec_info.topk_index, _wire_order.canonical_to_file.numel())
         spec_info.draft_probs = proposal if spec_info.draft_probs.dim() == 3 else proposal[:, 0]

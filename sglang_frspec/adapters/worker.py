@@ -26,6 +26,7 @@ from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
 from sglang.srt.utils.common import is_cpu
 
 from sglang_frspec.adapters import pd
+from sglang_frspec.adapters.contract import running_form
 from sglang_frspec.adapters.head import (
     HeadShard,
     build_hot_head,
@@ -215,7 +216,7 @@ def around_init_lm_head(original: Callable, worker) -> None:
     """AROUND hook: build this rank's hot head and the draft-only logits path."""
     if not _uses_token_map(worker):
         return original(worker)
-    embed, head = worker._resolve_shared_embed_and_head()
+    embed, head = _shared_embed_and_head(worker)
     state = state_of(worker)
     options, shard, hot, wire = _check_and_agree(worker, state, head)
     plan = plan_from_ranges(hot.ids, shard.shard_ranges, options.layout)
@@ -225,6 +226,14 @@ def around_init_lm_head(original: Callable, worker) -> None:
     state.map_ids = None
     if get_parallel().tp_rank == 0:
         _report(options, processor, shard, hot, plan, local_head, worker.topk, state.map_source)
+
+
+def _shared_embed_and_head(worker) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The embedding and target LM-head shard SGLang would give the draft (its own call, per
+    release: the resolver also reloads the embedding a pipeline stage lacks)."""
+    if running_form("shared_embed_and_head") == "resolver":
+        return worker._resolve_shared_embed_and_head()
+    return worker.target_worker.model_runner.model.get_embed_and_head()
 
 
 def _check_and_agree(
@@ -380,8 +389,9 @@ def _refresh_on_every_rank(manager, wanted: bool) -> None:
 
 
 def refresh_after_complete_update(result, manager, *args, **kwargs):
-    """AFTER hook on ``update_weights_from_disk`` / ``_ipc``, which complete an update in one
-    call and may have loaded the target even when reporting failure (a refused cache flush)."""
+    """AFTER hook on ``update_weights_from_disk`` / ``_ipc`` (and ``_tensor`` / ``_distributed``
+    in releases without update sessions), which complete an update in one call and may have
+    loaded the target even when reporting failure (a refused cache flush)."""
     _refresh_on_every_rank(manager, wanted=True)
     return result
 

@@ -19,3 +19,10 @@ def lay_hot_probs_over_vocab(hot_probs: torch.Tensor, hot_ids: torch.Tensor, voc
         raise ValueError(f"{hot_probs.shape[-1]} probability columns for {hot_ids.numel()} hot ids")
     out = hot_probs.new_zeros((*hot_probs.shape[:-1], vocab_size))
     return out.index_copy_(-1, hot_ids.to(hot_probs.device), hot_probs)
+
+
+def one_hot_probs(index: torch.Tensor, width: int) -> torch.Tensor:
+    """``[...]`` column indices -> ``[..., width]`` float32 probabilities, one at each index: the
+    proposal q of a draft taken with certainty (a PD decode node receives drafts, not their q)."""
+    probs = torch.zeros((*index.shape, width), dtype=torch.float32, device=index.device)
+    return probs.scatter_(-1, index.unsqueeze(-1), 1.0)

@@ -45,6 +45,20 @@ def register() -> None:
 
     HookRegistry.register(CPU_SWITCH_OFF, keep_overlap_on, HookType.REPLACE)
     HookRegistry.register(RELAY_GATHER, gather_spec_extras, HookType.REPLACE)
+    torch.Tensor.record_stream = _record_stream_on_device_only(torch.Tensor.record_stream)
+
+
+def _record_stream_on_device_only(record_stream):
+    """``Tensor.record_stream`` that does nothing for a CPU tensor. SGLang before 0.5.22 records the
+    relay's indices on the current stream without the CPU guard later releases have
+    (``overlap_utils.FutureMap._resolve_spec_extras``), and torch refuses a CPU tensor there
+    ("unknown parameter type"); a CPU has one stream and no reuse hazard, as that guard says."""
+
+    def record(tensor: torch.Tensor, stream) -> None:
+        if tensor.device.type != "cpu":
+            record_stream(tensor, stream)
+
+    return record
 
 
 def keep_overlap_on(server_args) -> None:
