@@ -307,15 +307,33 @@ class _Worker:
         return serialized
 
 
+class _OneCallWorker:
+    """A TP worker as releases without update sessions call it: each update is one call."""
+
+    def __init__(self, runner: _Runner):
+        self.model_runner = runner
+
+    def update_weights_from_disk(self, recv_req):
+        return self.model_runner.update_weights_from_disk(recv_req.model_path, recv_req.load_format)
+
+    def update_weights_from_tensor(self, recv_req):
+        return self.model_runner.update_weights_from_tensor(recv_req.serialized_named_tensors)
+
+    def update_weights_from_distributed(self, recv_req):
+        return self.model_runner.load_weights_from_distributed(recv_req.names)
+
+    def update_weights_from_ipc(self, recv_req):
+        return self.model_runner.update_weights_from_ipc(recv_req)
+
+
 def weight_update_refresh(payload: dict) -> dict:
     """SGLang's real SchedulerWeightUpdaterManager with the plugin's hooks applied; the model
     runners are stand-ins that write new target rows. For each case, how often the hot head was
-    refreshed and whether it equals the hot rows of the final target weights."""
+    refreshed and whether it equals the hot rows of the final target weights. The cases follow
+    the running SGLang's form of weight updates (``adapters/hooks.py`` VARIANTS)."""
     from types import SimpleNamespace
 
     from sglang.srt.managers.io_struct import (
-        BeginWeightUpdateReqInput,
-        EndWeightUpdateReqInput,
         UpdateWeightFromDiskReqInput,
         UpdateWeightsFromDistributedReqInput,
         UpdateWeightsFromIPCReqInput,
@@ -326,6 +344,7 @@ def weight_update_refresh(payload: dict) -> dict:
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_frspec import plugin
+    from sglang_frspec.adapters.contract import running_form
     from sglang_frspec.adapters.head import describe_head_shard
     from sglang_frspec.adapters.state import FrSpecState
     from sglang_frspec.adapters.worker import FrSpecDraftHead
@@ -334,6 +353,7 @@ def weight_update_refresh(payload: dict) -> dict:
 
     plugin.register()
     HookRegistry.apply_hooks()
+    sessions = running_form("weight_updates") == "sessions"
     vocab, hidden = payload["vocab"], payload["hidden"]
     target, full = _target_head(vocab, hidden, torch.float32, seed=0)
     shard = describe_head_shard(target)
@@ -352,16 +372,20 @@ def weight_update_refresh(payload: dict) -> dict:
     refresh = state.refresh
     state.refresh = lambda: (refreshes.append(1), refresh())[1]  # count, then the real refresh
     flush_ok = {"value": True}
+    draft_worker = SimpleNamespace(
+        _draft_worker=SimpleNamespace(frspec=FrSpecState("map.pt", None, None, head=state)),
+        weight_update_runners=lambda: [],
+        update_weights_from_disk=lambda recv_req: (True, "draft kept"),  # one-call releases ask it too
+        update_weights_from_ipc=lambda recv_req: (True, "draft kept"),
+    )
     manager = SchedulerWeightUpdaterManager(
-        tp_worker=_Worker([("target", runner)]),
-        draft_worker=SimpleNamespace(
-            _draft_worker=SimpleNamespace(frspec=FrSpecState("map.pt", None, None, head=state)),
-            weight_update_runners=lambda: [],
-        ),
+        tp_worker=_Worker([("target", runner)]) if sessions else _OneCallWorker(runner),
+        draft_worker=draft_worker,
         memory_saver_adapter=None,
         flush_cache=lambda empty_cache=False: flush_ok["value"],
         is_fully_idle=lambda **kwargs: True,
         scheduler=SimpleNamespace(record_weight_version_change=lambda new_version: None),
+        **({} if sessions else {"tp_cpu_group": get_parallel().tp_group.cpu_group}),
     )
 
     def expected_head(version: int) -> torch.Tensor:
@@ -380,6 +404,11 @@ def weight_update_refresh(payload: dict) -> dict:
             "success": getattr(result, "success", None),
         }
         refreshes.clear()
+
+    if not sessions:
+        _one_call_updates(manager, runner, record)
+        return out
+    from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
 
     # Disk update whose cache flush is refused (on rank 0 only: the ranks' results differ).
     flush_ok["value"] = rank != 0
@@ -422,6 +451,34 @@ def weight_update_refresh(payload: dict) -> dict:
     result = manager.end_weight_update(EndWeightUpdateReqInput())
     record("end_without_session", 5, result)
     return out
+
+
+def _one_call_updates(manager, runner: _Runner, record) -> None:
+    """Each kind of update as one call, in an SGLang without update sessions (SGLang 0.5.20)."""
+    from sglang.srt.managers.io_struct import (
+        UpdateWeightFromDiskReqInput,
+        UpdateWeightsFromDistributedReqInput,
+        UpdateWeightsFromIPCReqInput,
+        UpdateWeightsFromTensorReqInput,
+    )
+
+    result = manager.update_weights_from_disk(UpdateWeightFromDiskReqInput(model_path="1", flush_cache=False))
+    record("disk", 1, result)
+    rows = slice(None)
+    result = manager.update_weights_from_tensor(
+        UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=(2, rows), flush_cache=False, disable_draft_model=True
+        )
+    )
+    record("tensor", 2, result)
+    result = manager.update_weights_from_distributed(
+        UpdateWeightsFromDistributedReqInput(
+            names=(3, rows), dtypes=[], shapes=[], group_name="g", flush_cache=False
+        )
+    )
+    record("distributed", 3, result)
+    result = manager.update_weights_from_ipc(UpdateWeightsFromIPCReqInput(zmq_handles={"version": "4"}))
+    record("ipc", 4, result)
 
 
 def _swaps_into(plan, hot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,11 @@ SITE = Path(importlib.util.find_spec("sglang").origin).parent.parent  # the fold
 INSTALLED = importlib.metadata.version("sglang")
 
 
+def pinned_sglang() -> str:
+    """The SGLang release the whole suite runs on (constraints.txt)."""
+    return _pins()["sglang"]
+
+
 def _pins() -> dict[str, str]:
     """constraints.txt's own pins, above the GPU kit's (tests/test_gpu_kit.py checks those)."""
     text = (REPO / "constraints.txt").read_text().split(f"\n{KIT_PINS}")[0]

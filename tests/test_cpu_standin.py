@@ -193,6 +193,7 @@ def window_cache(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(POOL, 1, HEAD_DIM, generator=gen), torch.randn(POOL, 1, HEAD_DIM, generator=gen)
 
 
+@pytest.mark.every_release
 def test_sliding_window_prefill_and_prefix_extend_follow_transformers_mask():
     """A prefill of 2.5 windows, and 5 tokens after a prefix of 2 windows + 1."""
     gen = torch.Generator().manual_seed(4)
@@ -213,6 +214,7 @@ def test_sliding_window_prefill_and_prefix_extend_follow_transformers_mask():
         torch.testing.assert_close(o[rows], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.every_release
 def test_sliding_window_decode_reads_the_last_window_keys():
     """Decode after 2.5 windows and inside the window, the new key written by the op."""
     gen = torch.Generator().manual_seed(5)
@@ -235,6 +237,7 @@ def test_sliding_window_decode_reads_the_last_window_keys():
         torch.testing.assert_close(o[b : b + 1], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.every_release
 def test_sliding_window_tree_verify_places_rows_as_sgl_kernel_does():
     """Target verify of a draft tree past the window: sgl-kernel's extend.cpp takes row i of the
     verify to stand at prefix + i (not at the draft token's tree depth) for the window, and the

@@ -122,6 +122,7 @@ def _renorm_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return probs, top_k, top_p
 
 
+@pytest.mark.every_release
 def test_sampling_ops_match_triton_kernels(tmp_path: Path):
     """The chain verify, row_argmax and the top-k / top-p renormalisations (SGLang's ROCm kernels,
     FlashInfer's semantics) against SGLang's Triton kernels on the same inputs."""

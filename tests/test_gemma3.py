@@ -30,7 +30,10 @@ import pytest
 from sglang_frspec.cli import build_parser
 from sglang_frspec.cli import demo as demo_command
 from sglang_frspec.demo.gemma3 import MAX_PERPLEXITY, NEW_TOKENS, SERVER_ARGS, gemma3_fixture
+from sglang_frspec.demo.server import plugin_activity
 from tests.conftest import fixture_server
+from tests.harness.gpu_defaults.overlap import relayed_ranks
+from tests.test_contract import INSTALLED, pinned_sglang
 from tests.test_servers_plugin import num_hot
 from tools.serving.greedy import TIE_EPSILON, compare_greedy
 from tools.serving.zygote import forked_launch
@@ -130,3 +133,23 @@ def test_demo_shows_the_text_each_run_generates(demo):
     assert "prompt 1: 'The capital of France is'" in demo["stdout"]
     assert "plain greedy equals Transformers' float32 greedy decoding: yes" in demo["stdout"]
     assert "all outputs equal plain greedy decoding" in demo["stdout"]
+
+
+@pytest.mark.every_release
+@pytest.mark.skipif(
+    pinned_sglang() == INSTALLED, reason="the demo's tests above check it on the pinned release, stock beside"
+)
+def test_eagle_with_the_map_at_tp2_decodes_as_plain_greedy_on_an_older_release(gemma3, tmp_path):
+    """An older SGLang release (scripts/test-releases): Gemma 3's tied head through the plugin at
+    TP=2, overlap on, decodes every prompt as that release's plain greedy, which decodes as
+    Transformers."""
+    prompts, token_map = gemma3.prompts, gemma3.token_map(32768)
+    with fixture_server(gemma3, 2, tmp_path / "plain.log", extra=SERVER_ARGS, eagle=False) as server:
+        plain = [o["output_ids"] for o in server.generate(prompts, NEW_TOKENS, ignore_eos=True)]
+    compare_greedy(gemma3.target, prompts, plain, gemma3.reference, HF_TIE_EPSILON)
+    with fixture_server(gemma3, 2, tmp_path / "plugin.log", token_map, extra=SERVER_ARGS) as server:
+        outputs = [o["output_ids"] for o in server.generate(prompts, NEW_TOKENS, ignore_eos=True)]
+        log = server.log()
+    assert plugin_activity(log) == [(num_hot(token_map), 2, "balanced", "full")]
+    assert relayed_ranks(log) == {0, 1}
+    compare_greedy(gemma3.target, prompts, outputs, plain, TIE_EPSILON)

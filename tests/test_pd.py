@@ -9,7 +9,7 @@ import pytest
 from tests import rank_cases_pd
 from tests.harness.tp_group import run_tp_group
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.every_release]
 
 VOCAB = 1000
 # FR-Spec's list format: unsorted, EOS (2) repeated; 8 entries, 6 distinct ids.

@@ -125,6 +125,7 @@ def argument_time_exits(
         return dict(zip(LAUNCHED, pool.map(launch, range(len(LAUNCHED)), LAUNCHED)))
 
 
+@pytest.mark.every_release
 @pytest.mark.server
 @pytest.mark.parametrize("case", LAUNCHED)
 def test_the_launcher_exits_with_the_message_before_any_model_loads(argument_time_exits, case):

@@ -59,6 +59,7 @@ def generate_chains(server, chain, starts=(0, 17, 33)) -> list[float]:
         ("hot_list", "chain", "local", "topk"),  # FR-Spec's own format: a list, EOS repeated
     ],
 )
+@pytest.mark.every_release
 def test_tp2_token_map_follows_pi_with_full_acceptance(perm, start_server, map_name, chain, layout, exchange):
     env = {"SGLANG_FRSPEC_LAYOUT": layout, "SGLANG_FRSPEC_EXCHANGE": exchange}
     server = start_server(perm, 2, perm.token_map(map_name), env=env)
@@ -212,6 +213,7 @@ def test_tp2_topk1_with_a_map(perm, start_server, tmp_path):
     check_sampling_law(server, sharp, rejection=False)
 
 
+@pytest.mark.every_release
 def test_tp2_rejection_sampling_with_a_map(perm, start_server, tmp_path):
     """--speculative-use-rejection-sampling with a map (refused by stock): exchange=topk falls back
     to full (rejection sampling needs the draft's whole distribution), temperature 1.0 requests

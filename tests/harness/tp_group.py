@@ -141,8 +141,8 @@ def _run_once(target: str, tp_size: int, payload, timeout: float, server_args: d
 
 
 def _init_rank(rank: int, tp_size: int, port: int, extra_args: dict) -> None:
+    from sglang.srt import runtime_context
     from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
-    from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
     from sglang_frspec.demo.fixtures import perm_fixture
@@ -154,7 +154,13 @@ def _init_rank(rank: int, tp_size: int, port: int, extra_args: dict) -> None:
         attention_backend="torch_native",
         **extra_args,
     )
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=rank))
+    # SGLang 0.5.20 publishes no ranks, and its groups take their sizes as arguments (the group
+    # cases that older releases run, the every_release tests, are plain TP groups).
+    spawn_ranks = getattr(runtime_context, "SpawnRanks", None)
+    if spawn_ranks is not None:
+        runtime_context.publish(args, role="scheduler", ranks=spawn_ranks(world_rank=rank, gpu_id=rank))
+    else:
+        runtime_context.publish(args, role="scheduler")
     init_distributed_environment(
         backend="gloo",
         world_size=tp_size,
@@ -162,7 +168,10 @@ def _init_rank(rank: int, tp_size: int, port: int, extra_args: dict) -> None:
         local_rank=rank,
         distributed_init_method=f"tcp://127.0.0.1:{port}",
     )
-    initialize_model_parallel()
+    if spawn_ranks is not None:
+        initialize_model_parallel()
+    else:
+        initialize_model_parallel(tensor_model_parallel_size=tp_size)
 
 
 def _child(spec_path: str, rank: int) -> None:
