@@ -118,10 +118,12 @@ def pd_node(payload: dict) -> list[dict]:
             answer = {}
             if overlapped:  # the next forward's draft input: what the future map relays
                 spec_info = relayed_draft_input(future_map, batch.req_pool_indices, last_tokens)
-                if rejection:
+                if rejection and spec_info.draft_probs is not None:
                     answer["q width"] = spec_info.draft_probs.shape[-1]
             answer["tokens"] = hot_token_id[spec_info.topk_index].tolist()
-            if rejection:  # the draft's first row of q ([bs, steps, H] there)
+            if rejection and spec_info.draft_probs is None:  # a release whose builder makes no q
+                answer["proposal"] = None
+            elif rejection:  # the draft's first row of q ([bs, steps, H] there)
                 q = lay_hot_probs_over_vocab(
                     spec_info.draft_probs.unsqueeze(1), hot_token_id, payload["vocab"]
                 )

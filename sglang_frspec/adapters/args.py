@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from sglang.srt.arg_groups.model_override_base import resolving_view
 
+from sglang_frspec.adapters.contract import running_form
 from sglang_frspec.adapters.hooks import ON_WORKER, hooked_targets
 from sglang_frspec.adapters.pd import PD_MODES
 from sglang_frspec.adapters.token_map import load_token_map_ids
@@ -94,7 +95,7 @@ def check_speculative_args(server_args, previous: Callable) -> None:
     options = FrSpecOptions.from_env()  # an unknown option fails here, not in every scheduler
     if options.adapt:  # every scheduler checks it again where it builds the adapter
         mode = cfg.disaggregation_mode
-        check_adaptation_setup(mode if mode in PD_MODES else None, cfg.attn_dp_size > 1)
+        check_adaptation_setup(mode if mode in PD_MODES else None, _attn_dp_size(cfg) > 1)
     ids = load_token_map_ids(token_map)
     if cfg.speculative_eagle_topk is not None:  # resolved by SGLang (the worker checks it again)
         check_hot_ids_cover_topk(int(torch.unique(ids).numel()), cfg.speculative_eagle_topk, source=token_map)
@@ -103,3 +104,12 @@ def check_speculative_args(server_args, previous: Callable) -> None:
         canonical_hot_ids(ids, vocab_size, source=token_map)
     if cfg.tp_size > 1:
         _check_hooks_active()
+
+
+def _attn_dp_size(cfg) -> int:
+    """DP attention's width from the arguments being resolved, as the running SGLang has it."""
+    if running_form("attn_dp_size") == "derived":
+        from sglang.srt.runtime_context import attn_dp_size_of
+
+        return attn_dp_size_of(cfg)
+    return cfg.attn_dp_size

@@ -135,7 +135,6 @@ CONTRACT: tuple[Entry, ...] = (
     Named("sglang.srt.runtime_context", "attn_tp_group"),
     Named("sglang.srt.runtime_context", "attn_tp_rank"),
     # args.py and adapt.py: DP attention's width (the adaptive map is refused under it)
-    Attribute("sglang.srt.arg_groups.fields.parallel:Parallel.attn_dp_size"),
     Named("sglang.srt.runtime_context", "attn_tp_size"),  # head.py: the group a table slice is over
     Signature(
         "sglang.srt.distributed.parallel_state:GroupCoordinator.all_gather_into_tensor",
@@ -358,9 +357,9 @@ class ReleaseCheck:
 
 
 def compatibility_table(releases: list[ReleaseCheck], tests: dict[str, str]) -> str:
-    """The README's compatibility table, newest release first; ``tests`` says, per release, which
-    tests run on it and where (absent: none)."""
-    newest = {variant.seam: variant.forms[0].name for variant in VARIANTS}
+    """The README's compatibility table, newest release first (its forms are the newest); ``tests``
+    says, per release, which tests run on it and where (absent: none)."""
+    newest = releases[0].forms if releases else {}
     lines = [
         f"| SGLang | torch | contract ({len(CONTRACT)} entries, {len(VARIANTS)} seams with forms) "
         "| older forms it takes | tests |",

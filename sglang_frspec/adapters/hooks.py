@@ -1,9 +1,9 @@
 """The one table of the SGLang hooks this plugin installs, and where SGLang releases differ.
 
 ``HOOKS`` holds the hooks every supported release takes: target, handler, hook type.
-``VARIANTS`` holds each seam where the supported releases differ: its forms, newest first, each
-named by the contract entries that identify it in an SGLang and carrying the hooks installed with
-it. The running SGLang takes, per seam, the first form whose entries hold (read from its
+``VARIANTS`` holds each seam where the supported releases differ: its forms, each named by the
+contract entries that identify it in an SGLang and carrying the hooks installed with it. The
+running SGLang takes, per seam, the first form whose entries hold (read from its
 signatures and names at start-up, never from its version string; ``contract.running_forms``).
 
 ``plugin.register()`` installs ``HOOKS`` plus the chosen forms' hooks, ``contract`` checks every
@@ -99,7 +99,8 @@ class Form:
 
 @dataclass(frozen=True)
 class Variant:
-    """A seam where the supported releases differ, with its forms (the newest release's first)."""
+    """A seam where the supported releases differ, with its forms in the order they are tried
+    (a form whose entries also hold in releases of another form goes after that one)."""
 
     seam: str
     forms: tuple[Form, ...]
@@ -199,6 +200,15 @@ VARIANTS: tuple[Variant, ...] = (
                     ),
                 ),
             ),
+        ),
+    ),
+    # args.py: DP attention's width at argument time (the adaptive map is refused under it), an
+    # argument or, before SGLang 0.5.22, derived from dp_size and enable_dp_attention
+    Variant(
+        "attn_dp_size",
+        (
+            Form("derived", (Signature("sglang.srt.runtime_context:attn_dp_size_of", "(cfg)"),)),
+            Form("argument", (Attribute("sglang.srt.arg_groups.fields.parallel:Parallel.attn_dp_size"),)),
         ),
     ),
     # logits.py calls stock's GEMM as (hidden_states, lm_head); newer releases add an output buffer

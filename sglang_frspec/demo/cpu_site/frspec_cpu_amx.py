@@ -21,6 +21,7 @@ CPU module when there is no CUDA.
 
 import functools
 import importlib
+import importlib.util
 from collections.abc import Callable
 
 VERIFY = "sglang.srt.speculative.eagle_utils."
@@ -85,15 +86,20 @@ def register() -> None:
     from sglang.srt.runtime_context import override_platform
 
     override_platform(has_amx=True).install()
-    HookRegistry.register(VERIFY + "_verify_uses_greedy", _sampling_verify_on_cpu, HookType.AROUND)
+    eagle_utils = importlib.import_module(VERIFY.rstrip("."))
+    # SGLang 0.5.20 has no such switch: its verify commits argmax on a CPU for every batch
+    # (``if sampling_info.is_all_greedy or _is_cpu ...``), as stock SGLang does there.
+    if hasattr(eagle_utils, "_verify_uses_greedy"):
+        HookRegistry.register(VERIFY + "_verify_uses_greedy", _sampling_verify_on_cpu, HookType.AROUND)
     HookRegistry.register(THREADS_ENV, _bind_rank_threads, HookType.AROUND)
-    # The Triton ops of rejection sampling (the verify, and the draft proposal's Gumbel-max pick):
-    # the registry also rebinds every module's ``from ... import`` of them.
-    for target, op in (
-        ("sglang.kernels.ops.speculative.reject_sampling.", "chain_speculative_sampling_triton"),
-        ("sglang.kernels.ops.speculative.row_argmax.", "row_argmax"),
+    # The Triton ops of rejection sampling (the verify, and the draft proposal's Gumbel-max pick,
+    # from SGLang 0.5.21 on): the registry also rebinds every module's ``from ... import`` of them.
+    for module, op in (
+        ("sglang.kernels.ops.speculative.reject_sampling", "chain_speculative_sampling_triton"),
+        ("sglang.kernels.ops.speculative.row_argmax", "row_argmax"),
     ):
-        HookRegistry.register(target + op, _logged(op), HookType.REPLACE)
+        if importlib.util.find_spec(module) is not None:
+            HookRegistry.register(f"{module}.{op}", _logged(op), HookType.REPLACE)
     op = "scatter_mamba_states_after_mtp_verify"
     HookRegistry.register(
         f"sglang.kernels.ops.mamba.mamba_state_scatter_triton.{op}",
@@ -115,7 +121,6 @@ def register() -> None:
     importlib.import_module("sglang.kernels.ops.attention.fla.fused_norm_gate")._use_cpu = True
     # Ops that are None on CPU: set, not a REPLACE hook, which would rebind every module global
     # that is the original object (every None in the process) to the replacement.
-    eagle_utils = importlib.import_module(VERIFY.rstrip("."))
     for op in ("tree_speculative_sampling_target_only", "top_k_renorm_prob", "top_p_renorm_prob"):
         setattr(eagle_utils, op, _logged(op))
     if not torch.cuda.is_available():
