@@ -141,8 +141,16 @@ def relayed_draft_input(future_map, req_pool_indices: torch.Tensor, input_ids: t
     from sglang.srt.managers.overlap_utils import resolve_forward_inputs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+    staged = getattr(future_map, "make_staged_spec_input", None)
+    if staged is None:  # SGLang 0.5.20: the scheduler sets the indices on an EAGLE draft input
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+        staged = lambda indices: EagleDraftInput(  # noqa: E731
+            capture_hidden_mode=CaptureHiddenMode.LAST, future_indices=indices
+        )
     batch = SimpleNamespace(prefill_input_ids_cpu=None, input_ids=input_ids, enable_overlap=True,
                             spec_algorithm=SpeculativeAlgorithm.EAGLE,
-                            spec_info=future_map.make_staged_spec_input(req_pool_indices))  # fmt: skip
+                            spec_info=staged(req_pool_indices))  # fmt: skip
     resolve_forward_inputs(batch, future_map)
     return batch.spec_info

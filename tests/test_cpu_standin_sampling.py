@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from sglang_frspec.demo.cpu import CPU_SITE
+from tests.harness.releases import cpu_verify_samples
 from tests.harness.triton_child import run_interpreted
 
 pytest.importorskip("triton")
@@ -147,6 +148,8 @@ def test_sampling_ops_match_triton_kernels(tmp_path: Path):
     ):
         assert torch.equal(mine > 0, theirs > 0), name  # the same tokens kept, ties included
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=0, msg=name)
+    if not cpu_verify_samples():  # its verify never calls the op on a CPU (and its kernel accepts
+        return  # a draft whose q is not a probability, fixed in SGLang 0.5.21)
     accepted = set()
     ran_cases = [(case, ran) for case, ran in zip(cases, kernel["chain"]) if ran["args"] is not None]
     assert sum(not case["block"] for case, _ in ran_cases) == sum(not case["block"] for case in cases)

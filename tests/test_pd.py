@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests import rank_cases_pd
+from tests.harness.releases import pd_builds_first_proposal
 from tests.harness.tp_group import run_tp_group
 
 pytestmark = [pytest.mark.multirank, pytest.mark.every_release]
@@ -104,7 +105,7 @@ def test_a_decode_node_with_a_shorter_map_drafts_distinct_map_ids_and_warns_once
     assert "replaced by this map's first ids that their request does not already draft" in warning
     assert "sampled ones keep the target's distribution" in warning
     assert rejection["tokens"] == first["tokens"]
-    assert rejection["proposal"] == [[(row[0], 1.0)] for row in first["tokens"]]
+    assert rejection["proposal"] == first_proposal(first["tokens"])
     assert "Load the same --speculative-token-map file on every node" in warning
     assert again["warnings"] == []
 
@@ -138,12 +139,8 @@ def test_rejection_sampling_decode_proposes_the_drafted_token_with_probability_o
 
 def first_proposal(tokens: list[list[int]]) -> list | None:
     """The decode node's first q as the rank case reads it: one at each row's first draft, or None
-    where the release's builder makes no q (before ``pd_first_draft_proposal``, SGLang 0.5.22)."""
-    from sglang.srt.speculative import eagle_disaggregation
-
-    if not hasattr(eagle_disaggregation, "pd_first_draft_proposal"):
-        return None
-    return [[(row[0], 1.0)] for row in tokens]
+    where the release's builder makes no q."""
+    return [[(row[0], 1.0)] for row in tokens] if pd_builds_first_proposal() else None
 
 
 def test_under_the_overlap_scheduler_the_next_forward_reads_the_translated_drafts(nodes):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +13,7 @@ from sglang_frspec.demo.server import plugin_activity
 from tests.harness import sampling_law as law
 from tests.harness.fixtures import random_fixture, sharp_draft_fixture
 from tests.harness.gpu_defaults.overlap import relayed_ranks
+from tests.harness.releases import cpu_verify_samples
 from tools.serving.greedy import compare_greedy
 
 pytestmark = pytest.mark.server
@@ -216,11 +216,9 @@ def test_tp2_topk1_with_a_map(perm, start_server, tmp_path):
 
 @pytest.mark.every_release
 @pytest.mark.skipif(
-    not hasattr(importlib.import_module("sglang.srt.speculative.eagle_utils"), "_verify_uses_greedy"),
-    reason="SGLang 0.5.20's verify commits argmax on a CPU whatever the sampling (speculative/"
-    "eagle_utils.py:784, `or _is_cpu`), and `_is_cpu` also picks the CPU attention's tree mask there "
-    "(:147): the CPU site lifts it from 0.5.21 on (`_verify_uses_greedy`). tests/test_hot_probs.py "
-    "checks the law on the same verify op",
+    not cpu_verify_samples(),
+    reason="this SGLang's verify commits argmax on a CPU whatever the sampling "
+    "(tests/harness/releases.py); tests/test_hot_probs.py checks the law on the verify op itself",
 )
 def test_tp2_rejection_sampling_with_a_map(perm, start_server, tmp_path):
     """--speculative-use-rejection-sampling with a map (refused by stock): exchange=topk falls back
