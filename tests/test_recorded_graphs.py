@@ -4,10 +4,17 @@ what a CUDA graph cannot hold is refused at capture or at replay."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from tests.harness.gpu_defaults.recorded_graphs import GraphCaptureError, GraphReplayError, record
+from tests.harness.gpu_defaults.recorded_graphs import (
+    GraphCaptureError,
+    GraphReplayError,
+    host_memory,
+    record,
+)
 
 
 class Buffers:
@@ -31,8 +38,8 @@ class Buffers:
         tail.mul_(0.5)  # ... written through
         torch.mul(self.x, self.bias, out=self.out)  # out=
         top = torch.topk(torch.cat([h, self.out], 1), 3, dim=1).values.t()  # a view of an op's output
-        offsets = torch.tensor([1.0, 2.0, 3.0])  # host data inside the capture: a constant
-        return top + offsets[:, None], tail, self.out[1:]
+        offset = torch.tensor(1.5)  # host data inside the capture: a kernel's scalar, a constant
+        return top + offset, tail, self.out[1:]
 
 
 def test_replay_equals_eager_on_new_values_and_freezes_the_python():
@@ -99,3 +106,43 @@ def test_replay_refuses_an_input_whose_storage_moved():
     buffer.untyped_storage().resize_(4096)  # the same tensor, its memory reallocated
     with pytest.raises(GraphReplayError, match="the graph reads a buffer whose storage moved after capture"):
         graph.replay()
+
+
+@pytest.mark.parametrize(
+    ("transfer", "message"),
+    [
+        (lambda t, h: t.to("cpu"), "Tensor.to('cpu') inside a graph capture: a blocking copy"),
+        (lambda t, h: t.to(device=torch.device("cpu"), dtype=torch.half), "Tensor.to(device(type='cpu'))"),
+        (lambda t, h: h.copy_(t), "aten.copy_.default between host and device memory inside a graph"),
+        (lambda t, h: t.copy_(h), "aten.copy_.default between host and device memory inside a graph"),
+        (lambda t, h: torch.tensor([1.0], device="cpu"), "torch.tensor(data, device='cpu') inside a"),
+        (lambda t, h: torch.as_tensor([1], device=t.device), "torch.as_tensor(data, device=device(type="),
+        (lambda t, h: t + torch.tensor([1.0] * 5), "aten.add.Tensor reads host memory (torch.float32 [5])"),
+        (lambda t, h: t[torch.tensor([0, 2])], "aten.index.Tensor reads host memory (torch.int64 [2])"),
+        (lambda t, h: t * h, "aten.mul.Tensor reads host memory (torch.float32 [5]) inside a graph"),
+    ],
+)
+def test_capture_refuses_host_transfers(transfer, message):
+    """Host memory (marked, or host data turned into a tensor) meets device memory only through a
+    blocking copy, or a kernel that cannot read it: both refused, the call named."""
+    t, host = torch.randn(5), host_memory(torch.zeros(5))
+    with pytest.raises(GraphCaptureError, match=re.escape(message)):
+        record(lambda: transfer(t * 2, host))
+    assert t.to("cpu") is t and torch.tensor([1.0], device="cpu").tolist() == [1.0]  # restored
+
+
+def test_host_ops_run_once_at_capture_and_async_copies_replay():
+    """As on a GPU: an op on host memory runs at capture and not at replay, a device op reads a 0-dim
+    host tensor as a scalar, and an async copy into a pinned buffer (``non_blocking``) is captured."""
+    x, steps, mirror = torch.ones(3), host_memory(torch.zeros(())), host_memory(torch.zeros(3))
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        steps.add_(1)  # host bookkeeping: the CPU runs it while capturing
+        y = x * torch.tensor(2.0) + steps
+        mirror.copy_(y, non_blocking=True)
+        return y, y.to("cpu", non_blocking=True)
+
+    graph, _ = record(forward)
+    x.fill_(5.0)
+    y, on_host = graph.replay()
+    assert steps.item() == 1.0 and y.tolist() == mirror.tolist() == on_host.tolist() == [11.0] * 3

@@ -12,15 +12,29 @@ What a GPU refuses or breaks on, this refuses too:
 
 - inside a capture, a host read of a tensor's value (``.item()``, ``bool(t)``, ``int(t)``,
   ``torch.equal``: ops tagged ``data_dependent_output``; ``.tolist()``, ``.numpy()`` and ``.cpu()``,
-  which read memory without dispatching an op and are patched for the capture) and an op whose
-  output shape depends on values (tagged ``dynamic_output_shape``: ``nonzero``, ``masked_select``,
-  ``unique``, indexing with a bool mask) raise ``GraphCaptureError``;
+  which read memory without dispatching an op and are patched for the capture), a host transfer
+  (see Host memory below) and an op whose output shape depends on values (tagged
+  ``dynamic_output_shape``: ``nonzero``, ``masked_select``, ``unique``, indexing with a bool mask)
+  raise ``GraphCaptureError``;
 - at replay, a buffer the graph reads from outside (memory it did not allocate) must still be
   alive with the storage it had at capture (``GraphReplayError``); a graph holds addresses, not
   tensors, so the recording holds only weak references to those storages, as torch's
   ``torch/utils/_cuda_debug.py`` input-liveness checker does. ``RecordedGraphBackend`` also
   checks that the runner's buffer attributes still hold the storages the graph reads: a buffer
   replaced after capture is never read by a graph, even while the old one stays alive.
+
+Host memory. Every tensor here is on the CPU, and the stand-in runners' device is "cpu": a tensor
+is device memory unless it is host memory, which is what GPU code puts on the host explicitly.
+Inside a capture, data turned into a tensor (``torch.tensor(data)``, ``torch.from_numpy``: both
+dispatch ``aten.lift_fresh``) is host memory, and so is a buffer marked with ``host_memory(t)`` (a
+GPU program's pinned or ``*_cpu`` buffer, which on the CPU looks like any other tensor). Then, as
+on a GPU: an op on host memory only runs once, at capture, and is not replayed (the CPU ran it, the
+graph holds no host op); a device op may read a 0-dim host tensor (a kernel takes it as a scalar)
+but no other host tensor; a blocking copy between host and device (``copy_``, ``.to("cpu")``,
+``torch.tensor(data, device=...)``) is refused, as it syncs. GPU code names the host "cpu" and a
+new tensor's ``device`` the device, and so does this: a ``.to(self.device)`` or
+``torch.tensor(data, device=self.device)`` inside a capture is refused here although the
+stand-in's device is "cpu" (SGLang's captured code does neither).
 
 Collectives (``c10d._allgather_base_``, ``c10d.allreduce_``, SGLang's ``sglang.*`` ops, ...) are
 recorded like any op; a replay re-issues them in the recorded order and waits on each returned
@@ -52,6 +66,10 @@ _COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "redu
                      "all_to_all", "alltoall", "shm_")  # fmt: skip
 # Tensor methods that read a tensor's memory on the host without dispatching an op (on a CPU tensor).
 _HOST_READS = ("tolist", "numpy", "cpu")
+# Host data becoming a tensor: torch.tensor(data), torch.as_tensor(data), torch.from_numpy(array).
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+# Storages of host memory (see the module's docstring), weakly: a freed buffer's address is reused.
+_host_storages: dict[int, StorageWeakRef] = {}
 
 
 class GraphCaptureError(RuntimeError):
@@ -160,6 +178,20 @@ def _storage_address(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def host_memory(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t``'s storage as host memory (a pinned or pageable buffer of a GPU program); return ``t``."""
+    for address in [a for a, ref in _host_storages.items() if ref.expired()]:
+        del _host_storages[address]
+    if t.untyped_storage().nbytes():  # an empty storage has no address of its own
+        _host_storages[_storage_address(t)] = StorageWeakRef(t.untyped_storage())
+    return t
+
+
+def is_host_memory(t: torch.Tensor) -> bool:
+    ref = _host_storages.get(_storage_address(t))
+    return ref is not None and not ref.expired() and t.untyped_storage().nbytes() > 0
+
+
 class _Recorder(TorchDispatchMode):
     """Records every op dispatched inside it; refuses what a CUDA graph capture cannot hold."""
 
@@ -193,14 +225,18 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        _refuse_unless_capturable(func, args, kwargs)
+        if func in _LIFTS:
+            host_memory(args[0])
         leaves, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        host = [x for x in tensors if is_host_memory(x)]
+        if host and len(host) == len(tensors):
+            return self._host_op(func, args, kwargs)
+        _refuse_host_transfer(func, args, host)
+        _refuse_unless_capturable(func, args, kwargs)
         name = str(func)
         if func.namespace in _COLLECTIVE_NAMESPACES and any(w in name for w in _COLLECTIVE_WORDS):
             self.collectives.append(_describe_collective(name, leaves))
-        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
-            # torch.tensor(host data) inside the capture: the data is a constant of the graph.
-            self._owned_storages.add(_storage_address(args[0]))
         input_storages = {_storage_address(x) for x in leaves if isinstance(x, torch.Tensor)}
         recorded_args = [
             ("slot", self.slot_of(x, name)) if isinstance(x, torch.Tensor) else x for x in leaves
@@ -221,6 +257,15 @@ class _Recorder(TorchDispatchMode):
         self.ops.append(_RecordedOp(func, spec, recorded_args, outputs))
         return out
 
+    def _host_op(self, func, args, kwargs) -> Any:
+        """An op on host memory only: on a GPU the CPU runs it once, at capture, and the graph holds
+        no host op; its results are host memory the graph keeps (a device op may read one as a scalar)."""
+        out = func(*args, **kwargs)
+        for result in tree_flatten(out)[0]:
+            if isinstance(result, torch.Tensor):
+                self._owned_storages.add(_storage_address(host_memory(result)))
+        return out
+
 
 def _caller() -> str:
     """Where the capture's Python asked for the op: the innermost frame outside torch and this file."""
@@ -228,6 +273,24 @@ def _caller() -> str:
         if "/torch/" not in frame.filename and frame.filename != __file__:
             return f"{frame.filename}:{frame.lineno} ({frame.name})"
     return "unknown"
+
+
+def _refuse_host_transfer(func, args, host: list[torch.Tensor]) -> None:
+    """Refuse a device op on host memory: a blocking copy syncs; a kernel reads only a 0-dim host tensor."""
+    if not host:
+        return
+    if func is torch.ops.aten.copy_.default:
+        if not (len(args) > 2 and args[2]):  # non_blocking: an async copy with a pinned buffer is captured
+            raise GraphCaptureError(
+                f"{func} between host and device memory inside a graph capture: a blocking copy syncs "
+                f"with the host, which a CUDA graph cannot capture; at {_caller()}"
+            )
+    elif any(x.dim() for x in host):
+        shapes = ", ".join(f"{x.dtype} {list(x.shape)}" for x in host)
+        raise GraphCaptureError(
+            f"{func} reads host memory ({shapes}) inside a graph capture: a CUDA kernel reads no host "
+            f"tensor but a 0-dim one, and moving it to the device is a blocking copy; at {_caller()}"
+        )
 
 
 def _refuse_unless_capturable(func, args, kwargs) -> None:
@@ -255,27 +318,57 @@ def _describe_collective(name: str, leaves: list[Any]) -> str:
     return f"{name}({', '.join(shapes + groups)})"
 
 
+def _transfer_refused(what: str) -> GraphCaptureError:
+    return GraphCaptureError(
+        f"{what} inside a graph capture: a blocking copy between host and device syncs, which a CUDA "
+        f"graph cannot capture; at {_caller()}"
+    )
+
+
 @contextlib.contextmanager
-def _host_reads_refused() -> Iterator[None]:
-    """Make ``.tolist()``, ``.numpy()`` and ``.cpu()`` raise: on a GPU each copies to the host and syncs."""
+def _host_transfers_refused() -> Iterator[None]:
+    """Patch, for the capture, the host transfers that dispatch nothing on a CPU tensor.
+
+    ``.tolist()``, ``.numpy()``, ``.cpu()`` and ``.to("cpu")`` raise (on a GPU each copies to the
+    host and syncs; ``.to("cpu", non_blocking=True)`` copies into new host memory, as a captured
+    async copy into a pinned buffer does); ``torch.tensor(data, device=...)`` and
+    ``torch.as_tensor(data, device=...)`` of host data raise (a blocking copy to the device).
+    """
+    tensor_to, new_tensor, as_tensor = torch.Tensor.to, torch.tensor, torch.as_tensor
     originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
 
     def refuse(name: str) -> Callable[..., Any]:
         def refused(self, *args, **kwargs):
-            raise GraphCaptureError(
-                f"Tensor.{name}() inside a graph capture: it copies a tensor to the host and syncs, "
-                f"which a CUDA graph cannot capture; at {_caller()}"
-            )
+            raise _transfer_refused(f"Tensor.{name}()")
 
         return refused
 
+    def to(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        # Only a device named in the call: .to(dtype) and .to(other) (other's device) stay on the device.
+        device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
+        if device is None or torch.device(device).type != "cpu":
+            return tensor_to(self, *args, **kwargs)
+        if not kwargs.get("non_blocking", len(args) > 2 and args[2]):  # .to(device, dtype, non_blocking)
+            raise _transfer_refused(f"Tensor.to({device!r})")
+        return host_memory(tensor_to(self, *args[:3], **kwargs | {"copy": True}))
+
+    def from_data(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def refused_with_device(data, *args, **kwargs) -> torch.Tensor:
+            if kwargs.get("device") is not None and not isinstance(data, torch.Tensor):
+                raise _transfer_refused(f"torch.{factory.__name__}(data, device={kwargs['device']!r})")
+            return factory(data, *args, **kwargs)
+
+        return refused_with_device
+
     for name in _HOST_READS:
         setattr(torch.Tensor, name, refuse(name))
+    torch.Tensor.to, torch.tensor, torch.as_tensor = to, from_data(new_tensor), from_data(as_tensor)
     try:
         yield
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        torch.Tensor.to, torch.tensor, torch.as_tensor = tensor_to, new_tensor, as_tensor
 
 
 _recording = [False]  # whether record() is running: what a capture stream reports on a GPU
@@ -286,7 +379,7 @@ def record(fn: Callable[[], Any]) -> tuple[RecordedGraph, Any]:
     recorder = _Recorder()
     _recording[0] = True
     try:
-        with _host_reads_refused(), recorder:
+        with _host_transfers_refused(), recorder:
             out = fn()
     finally:
         _recording[0] = False
