@@ -74,6 +74,13 @@ def test_replay_equals_eager_on_new_values_and_freezes_the_python():
         (lambda t: torch.nonzero(t), "aten.nonzero.default inside a graph capture: its output shape"),
         (lambda t: t[t > 0], "aten.index.Tensor inside a graph capture: its output shape"),
         (lambda t: torch.unique(t), "inside a graph capture: its output shape"),
+        (lambda t: torch.repeat_interleave(t.long()), "aten.repeat_interleave.Tensor inside a graph capture"),
+        (lambda t: t.__setitem__(t > 0, t[0]), "aten.index_put_.default with a bool mask inside a graph"),
+        (lambda t: torch.index_put(t, (t > 0,), t.sum()), "aten.index_put.default with a bool mask inside"),
+        (
+            lambda t: t.index_put_((t > 0,), torch.tensor(1.0), accumulate=True),
+            "index_put_.default with a bool",
+        ),
     ],
 )
 def test_capture_refuses_host_syncs_and_data_dependent_shapes(host_read, message):
@@ -88,6 +95,23 @@ def test_integer_indexing_is_captured():
     graph, _ = record(lambda: table[rows])
     rows.copy_(torch.tensor([0, 9]))
     assert graph.replay().tolist() == [0.0, 27.0]
+
+
+def test_a_masked_scalar_write_and_repeat_interleave_with_output_size_are_captured():
+    """``x[mask] = scalar`` becomes ``masked_fill_`` on a GPU (no sync), and ``repeat_interleave``
+    given its ``output_size`` needs no host read: both replay on the new values."""
+    x, counts = torch.tensor([1.0, -2.0, 3.0]), torch.tensor([2, 0, 1])
+
+    def forward() -> torch.Tensor:
+        y = x.clone()
+        y[y < 0] = 0.0
+        return torch.repeat_interleave(y, counts, output_size=3)
+
+    graph, captured = record(forward)
+    assert captured.tolist() == [1.0, 1.0, 3.0]
+    x.copy_(torch.tensor([-1.0, 4.0, 5.0]))
+    counts.copy_(torch.tensor([1, 1, 1]))
+    assert graph.replay().tolist() == [0.0, 4.0, 5.0]
 
 
 def test_replay_refuses_a_freed_input():

@@ -13,8 +13,10 @@ What a GPU refuses or breaks on, this refuses too:
 - inside a capture, a host read of a tensor's value (``.item()``, ``bool(t)``, ``int(t)``,
   ``torch.equal``: ops tagged ``data_dependent_output``; ``.tolist()``, ``.numpy()`` and ``.cpu()``,
   which read memory without dispatching an op and are patched for the capture), a host transfer
-  (see Host memory below) and an op whose output shape depends on values (tagged
-  ``dynamic_output_shape``: ``nonzero``, ``masked_select``, ``unique``, indexing with a bool mask)
+  (see Host memory below), an op whose output shape depends on values (tagged
+  ``dynamic_output_shape``: ``nonzero``, ``masked_select``, ``unique``, indexing with a bool mask,
+  ``repeat_interleave`` without ``output_size``) and a write through a bool mask (``index_put_``,
+  ``x[mask] = t``: the mask becomes indices; ``x[mask] = scalar`` runs as ``masked_fill_``)
   raise ``GraphCaptureError``;
 - at replay, a buffer the graph reads from outside (memory it did not allocate) must still be
   alive with the storage it had at capture (``GraphReplayError``); a graph holds addresses, not
@@ -59,8 +61,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-# Ops whose dynamic_output_shape tag covers only bool-mask indices (integer indexing has a fixed shape).
-_INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+# Writes through indices: untagged, yet a bool mask among them is turned into indices (nonzero).
+_INDEX_PUTS = {"aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "sglang", "sgl_kernel"}
 _COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast",
                      "all_to_all", "alltoall", "shm_")  # fmt: skip
@@ -300,16 +302,39 @@ def _refuse_unless_capturable(func, args, kwargs) -> None:
             f"int(t), a Python branch on a tensor), a host sync that a CUDA graph cannot capture; "
             f"at {_caller()}"
         )
-    if torch.Tag.dynamic_output_shape in func.tags:
-        indices, _ = tree_flatten(args[1] if len(args) > 1 else kwargs.get("indices"))
-        bool_index = any(
-            isinstance(x, torch.Tensor) and x.dtype in (torch.bool, torch.uint8) for x in indices
+    name = func._schema.name
+    if name in _INDEX_PUTS and _has_mask(args[1]) and not _is_masked_fill(args, kwargs):
+        raise GraphCaptureError(
+            f"{func} with a bool mask inside a graph capture: the mask is turned into indices (nonzero), "
+            f"a host sync that a CUDA graph cannot capture (only x[mask] = a Python scalar is captured, "
+            f"as masked_fill_); at {_caller()}"
         )
-        if func._schema.name not in _INDEX_OPS or bool_index:
-            raise GraphCaptureError(
-                f"{func} inside a graph capture: its output shape depends on tensor values, which a CUDA "
-                f"graph cannot capture (it syncs with the host to size the output); at {_caller()}"
-            )
+    if torch.Tag.dynamic_output_shape in func.tags and not _fixed_shape(name, args, kwargs):
+        raise GraphCaptureError(
+            f"{func} inside a graph capture: its output shape depends on tensor values, which a CUDA "
+            f"graph cannot capture (it syncs with the host to size the output); at {_caller()}"
+        )
+
+
+def _has_mask(indices: Sequence[torch.Tensor | None]) -> bool:
+    return any(x is not None and x.dtype in (torch.bool, torch.uint8) for x in indices)
+
+
+def _is_masked_fill(args, kwargs) -> bool:
+    """Whether an index_put runs as masked_fill_ (ATen's ``canDispatchToMaskedFill``): no
+    accumulation, one index (the mask) and a one-element value on the host, read there at launch."""
+    indices, value = args[1], args[2]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    masks = [x for x in indices if x is not None]
+    return not accumulate and len(masks) == 1 and value.numel() == 1 and is_host_memory(value)
+
+
+def _fixed_shape(name: str, args, kwargs) -> bool:
+    """A ``dynamic_output_shape`` op whose shape is fixed here: integer indexing, and a
+    ``repeat_interleave`` given its ``output_size`` (no host read of the repeats' sum)."""
+    if name == "aten::index":
+        return not _has_mask(args[1])
+    return name == "aten::repeat_interleave" and kwargs.get("output_size") is not None
 
 
 def _describe_collective(name: str, leaves: list[Any]) -> str:
