@@ -38,15 +38,20 @@ new tensor's ``device`` the device, and so does this: a ``.to(self.device)`` or
 ``torch.tensor(data, device=self.device)`` inside a capture is refused here although the
 stand-in's device is "cpu" (SGLang's captured code does neither).
 
-Collectives (``c10d._allgather_base_``, ``c10d.allreduce_``, SGLang's ``sglang.*`` ops, ...) are
-recorded like any op; a replay re-issues them in the recorded order and waits on each returned
-work object, as a stream orders them. ``RecordedGraphBackend`` compares each capture's sequence
-of collectives across the ranks of its group at capture.
+Collectives (``c10d._allgather_base_``, ``c10d.allreduce_``, SGLang's ``sglang.*`` ops, torch's
+functional ``_c10d_functional.*``, ...) are recorded like any op; a replay re-issues them in the
+recorded order and waits on each returned work object or functional output before the next op
+reads it, as a stream orders them. At capture, a collective that returns a work object must
+complete within ``collective_timeout``: a rank that skips a collective the others issue would
+leave them waiting for the group's timeout (minutes), where a GPU's capture would hang.
+``RecordedGraphBackend`` compares each capture's sequence of collectives across the ranks of its
+group at capture.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import traceback
 import weakref
@@ -56,6 +61,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives  # noqa: F401 (registers _c10d_functional's Python ops)
 from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import BaseCudaGraphBackend
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -70,6 +76,9 @@ _COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "redu
 _HOST_READS = ("tolist", "numpy", "cpu")
 # Host data becoming a tensor: torch.tensor(data), torch.as_tensor(data), torch.from_numpy(array).
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+# funcol's wrapper of a collective's output in an AsyncCollectiveTensor (a Python op, no storage).
+_WRAP_ASYNC = torch.ops._c10d_functional._wrap_tensor_autograd.default
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)  # far above a capture's skew between ranks
 # Storages of host memory (see the module's docstring), weakly: a freed buffer's address is reused.
 _host_storages: dict[int, StorageWeakRef] = {}
 
@@ -161,8 +170,12 @@ class RecordedGraph:
             args, kwargs = tree_unflatten([value(leaf) for leaf in op.args], op.args_spec)
             results, _ = tree_flatten(op.func(*args, **kwargs))
             for result, slot_index in zip(results, op.outputs, strict=True):
-                if isinstance(result, torch.ScriptObject) and result._has_method("wait"):
+                if _is_work(result):
                     result.wait()  # a collective's work: later ops read its output
+                elif op.func.namespace == "_c10d_functional" and isinstance(result, torch.Tensor):
+                    # A functional collective fills a new tensor asynchronously: wait before it is
+                    # copied into the captured output (the recorded wait_tensor names that one).
+                    torch.ops._c10d_functional.wait_tensor(result)
                 if slot_index is None:
                     continue
                 slot = self.slots[slot_index]
@@ -174,6 +187,10 @@ class RecordedGraph:
                         raise GraphReplayError(f"{op.func} returned {shapes}")
                     slot.owned.copy_(result)
         return tree_unflatten([value(leaf) for leaf in self.output_leaves], self.output_spec)
+
+
+def _is_work(x: Any) -> bool:
+    return isinstance(x, torch.ScriptObject) and x._has_method("wait")
 
 
 def _storage_address(t: torch.Tensor) -> int:
@@ -197,8 +214,9 @@ def is_host_memory(t: torch.Tensor) -> bool:
 class _Recorder(TorchDispatchMode):
     """Records every op dispatched inside it; refuses what a CUDA graph capture cannot hold."""
 
-    def __init__(self):
+    def __init__(self, collective_timeout: datetime.timedelta):
         super().__init__()
+        self.collective_timeout = collective_timeout
         self.ops: list[_RecordedOp] = []
         self.slots: list[_Slot] = []
         self.collectives: list[str] = []
@@ -227,6 +245,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _WRAP_ASYNC:  # wait at once, as funcol does when traced: a stream orders it so
+            func = torch.ops._c10d_functional.wait_tensor.default
         if func in _LIFTS:
             host_memory(args[0])
         leaves, spec = tree_flatten((args, kwargs))
@@ -247,6 +267,8 @@ class _Recorder(TorchDispatchMode):
         results, _ = tree_flatten(out)
         outputs: list[int | None] = []
         for result in results:
+            if _is_work(result):
+                self._wait_for_every_rank(result, name)
             if not isinstance(result, torch.Tensor):
                 outputs.append(None)
             elif id(result) in self._slot_of:
@@ -258,6 +280,17 @@ class _Recorder(TorchDispatchMode):
                 outputs.append(self._add(result, _Slot("owned", owned=result)))
         self.ops.append(_RecordedOp(func, spec, recorded_args, outputs))
         return out
+
+    def _wait_for_every_rank(self, work: torch.ScriptObject, name: str) -> None:
+        try:
+            torch._C._distributed_c10d.Work.unbox(work).wait(self.collective_timeout)
+        except RuntimeError as e:
+            seconds = self.collective_timeout.total_seconds()
+            raise GraphCaptureError(
+                f"{name} did not complete within {seconds:g} s of a graph capture: a rank that skips a "
+                f"collective inside a capture leaves the others waiting (on a GPU, a hung capture); "
+                f"at {_caller()}: {e}"
+            ) from e
 
     def _host_op(self, func, args, kwargs) -> Any:
         """An op on host memory only: on a GPU the CPU runs it once, at capture, and the graph holds
@@ -399,9 +432,11 @@ def _host_transfers_refused() -> Iterator[None]:
 _recording = [False]  # whether record() is running: what a capture stream reports on a GPU
 
 
-def record(fn: Callable[[], Any]) -> tuple[RecordedGraph, Any]:
+def record(
+    fn: Callable[[], Any], collective_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT
+) -> tuple[RecordedGraph, Any]:
     """Run ``fn`` once under the recorder: the graph of its ops and ``fn``'s output."""
-    recorder = _Recorder()
+    recorder = _Recorder(collective_timeout)
     _recording[0] = True
     try:
         with _host_transfers_refused(), recorder:
