@@ -16,6 +16,15 @@ from tests.harness.gpu_defaults.recorded_graphs import (
     record,
 )
 
+# A custom op with a Python body (torch.library.custom_op): the body's Python is what runs at capture.
+_body_calls: list[int] = []
+
+
+@torch.library.custom_op("frspec_recorded_graphs_test::twice_plus_calls", mutates_args=())
+def _twice_plus_calls(x: torch.Tensor) -> torch.Tensor:
+    _body_calls.append(1)  # Python state the body reads: frozen at capture on a GPU
+    return x * 2 + len(_body_calls)
+
 
 class Buffers:
     """Static inputs and an out= buffer, as a graph runner holds them."""
@@ -112,6 +121,17 @@ def test_a_masked_scalar_write_and_repeat_interleave_with_output_size_are_captur
     x.copy_(torch.tensor([-1.0, 4.0, 5.0]))
     counts.copy_(torch.tensor([1, 1, 1]))
     assert graph.replay().tolist() == [0.0, 4.0, 5.0]
+
+
+def test_a_custom_ops_python_body_runs_at_capture_and_its_ops_replay():
+    """A custom op's Python body runs once, at capture, as on a GPU (its kernels are captured, not
+    its Python): the replay runs the ops it dispatched, on the new values, and not the body."""
+    x = torch.ones(3)
+    _body_calls.clear()
+    graph, captured = record(lambda: torch.ops.frspec_recorded_graphs_test.twice_plus_calls(x))
+    assert captured.tolist() == [3.0] * 3
+    x.fill_(5.0)
+    assert graph.replay().tolist() == [11.0] * 3 and len(_body_calls) == 1
 
 
 def test_replay_refuses_a_freed_input():

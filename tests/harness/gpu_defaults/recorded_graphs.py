@@ -38,6 +38,10 @@ new tensor's ``device`` the device, and so does this: a ``.to(self.device)`` or
 ``torch.tensor(data, device=self.device)`` inside a capture is refused here although the
 stand-in's device is "cpu" (SGLang's captured code does neither).
 
+A custom op whose kernel is a Python function (``torch.library.custom_op``, ``Library.impl``, as
+SGLang's ``direct_register_custom_op``) is traced into: its Python runs once, at capture, and the
+ops it dispatches are recorded, as a GPU captures its kernels and not its Python.
+
 Collectives (``c10d._allgather_base_``, ``c10d.allreduce_``, SGLang's ``sglang.*`` ops, torch's
 functional ``_c10d_functional.*``, ...) are recorded like any op; a replay re-issues them in the
 recorded order and waits on each returned work object or functional output before the next op
@@ -78,6 +82,9 @@ _HOST_READS = ("tolist", "numpy", "cpu")
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 # funcol's wrapper of a collective's output in an AsyncCollectiveTensor (a Python op, no storage).
 _WRAP_ASYNC = torch.ops._c10d_functional._wrap_tensor_autograd.default
+# Where a custom op's own kernel is registered, below the dispatch key of this mode.
+_PYTHON_KERNEL_KEYS = ("CPU", "CompositeExplicitAutograd")
+_CPU_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)  # far above a capture's skew between ranks
 # Storages of host memory (see the module's docstring), weakly: a freed buffer's address is reused.
 _host_storages: dict[int, StorageWeakRef] = {}
@@ -189,6 +196,16 @@ class RecordedGraph:
         return tree_unflatten([value(leaf) for leaf in self.output_leaves], self.output_spec)
 
 
+def _has_python_body(func: torch._ops.OpOverload) -> bool:
+    """An op whose CPU kernel is a Python function (``torch.library.custom_op``, ``Library.impl``)."""
+    name = func._schema.name.split("::")[1]
+    return any(
+        f"{func.namespace}/{op}/{key}" in torch.library._impls
+        for op in (name, f"{name}.{func._overloadname}")
+        for key in _PYTHON_KERNEL_KEYS
+    )
+
+
 def _is_work(x: Any) -> bool:
     return isinstance(x, torch.ScriptObject) and x._has_method("wait")
 
@@ -247,6 +264,12 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _WRAP_ASYNC:  # wait at once, as funcol does when traced: a stream orders it so
             func = torch.ops._c10d_functional.wait_tensor.default
+        elif _has_python_body(func):
+            # On a GPU the body's Python runs once, at capture, and its kernels are the graph: record
+            # the ops it dispatches (the Python stays at capture) rather than the op, whose replay
+            # would run the Python again.
+            with self:
+                return func.redispatch(_CPU_KERNEL, *args, **kwargs)
         if func in _LIFTS:
             host_memory(args[0])
         leaves, spec = tree_flatten((args, kwargs))
