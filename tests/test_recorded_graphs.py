@@ -16,8 +16,12 @@ from tests.harness.gpu_defaults.recorded_graphs import (
     record,
 )
 
-# A custom op with a Python body (torch.library.custom_op): the body's Python is what runs at capture.
+# Custom ops with a Python body, as SGLang registers its own (direct_register_custom_op: Library.impl
+# for the device's key) and as torch.library.custom_op does: the body's Python is what runs at capture.
 _body_calls: list[int] = []
+_LIB = torch.library.Library("frspec_recorded_graphs_test", "DEF")
+_LIB.define("thrice_if_finite(Tensor x) -> Tensor")
+_LIB.impl("thrice_if_finite", lambda x: x * 3 if torch.isfinite(x).all() else x, "CPU")  # a host sync
 
 
 @torch.library.custom_op("frspec_recorded_graphs_test::twice_plus_calls", mutates_args=())
@@ -90,11 +94,19 @@ def test_replay_equals_eager_on_new_values_and_freezes_the_python():
             lambda t: t.index_put_((t > 0,), torch.tensor(1.0), accumulate=True),
             "index_put_.default with a bool",
         ),
+        (
+            lambda t: torch.ops.frspec_recorded_graphs_test.thrice_if_finite(t),
+            "aten._local_scalar_dense.default inside a graph capture: it reads",
+        ),
     ],
 )
-def test_capture_refuses_host_syncs_and_data_dependent_shapes(host_read, message):
+@pytest.mark.parametrize("inference_mode", [False, True], ids=["grad-mode", "inference-mode"])
+def test_capture_refuses_host_syncs_and_data_dependent_shapes(host_read, message, inference_mode):
+    """Also under inference mode (SGLANG_ENABLE_TORCH_INFERENCE_MODE) and inside a custom op's body,
+    where composite ops (``bool(t)``: ``is_nonzero``) reach the recorder undecomposed."""
     t = torch.randn(5)
-    with pytest.raises(GraphCaptureError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    pattern = message.replace("(", r"\(").replace(")", r"\)")
+    with torch.inference_mode(inference_mode), pytest.raises(GraphCaptureError, match=pattern):
         record(lambda: host_read(t * 2))
     assert t.tolist() and t.cpu() is t  # restored after the capture
 

@@ -40,7 +40,9 @@ stand-in's device is "cpu" (SGLang's captured code does neither).
 
 A custom op whose kernel is a Python function (``torch.library.custom_op``, ``Library.impl``, as
 SGLang's ``direct_register_custom_op``) is traced into: its Python runs once, at capture, and the
-ops it dispatches are recorded, as a GPU captures its kernels and not its Python.
+ops it dispatches are recorded, as a GPU captures its kernels and not its Python. There, and under
+inference mode, dispatch runs below autograd, so a composite op (``bool(t)``: ``is_nonzero``)
+reaches the recorder whole: it is decomposed, as with autograd on, so its host read is seen.
 
 Collectives (``c10d._allgather_base_``, ``c10d.allreduce_``, SGLang's ``sglang.*`` ops, torch's
 functional ``_c10d_functional.*``, ...) are recorded like any op; a replay re-issues them in the
@@ -85,6 +87,7 @@ _WRAP_ASYNC = torch.ops._c10d_functional._wrap_tensor_autograd.default
 # Where a custom op's own kernel is registered, below the dispatch key of this mode.
 _PYTHON_KERNEL_KEYS = ("CPU", "CompositeExplicitAutograd")
 _CPU_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)  # far above a capture's skew between ranks
 # Storages of host memory (see the module's docstring), weakly: a freed buffer's address is reused.
 _host_storages: dict[int, StorageWeakRef] = {}
@@ -270,6 +273,11 @@ class _Recorder(TorchDispatchMode):
             # would run the Python again.
             with self:
                 return func.redispatch(_CPU_KERNEL, *args, **kwargs)
+        elif torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE):
+            # Below autograd (inference mode, a custom op's body) a composite op reaches this mode
+            # whole: record what it decomposes into, as with autograd on (bool(t): is_nonzero, item).
+            with self:
+                return func.decompose(*args, **kwargs)
         if func in _LIFTS:
             host_memory(args[0])
         leaves, spec = tree_flatten((args, kwargs))
