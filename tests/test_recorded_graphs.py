@@ -194,6 +194,7 @@ def test_host_ops_run_once_at_capture_and_async_copies_replay():
 
     def forward() -> tuple[torch.Tensor, torch.Tensor]:
         steps.add_(1)  # host bookkeeping: the CPU runs it while capturing
+        assert steps.tolist() == steps.cpu().item() == steps.to("cpu").item() == 1.0  # no transfer
         y = x * torch.tensor(2.0) + steps
         mirror.copy_(y, non_blocking=True)
         return y, y.to("cpu", non_blocking=True)

@@ -418,9 +418,9 @@ def _transfer_refused(what: str) -> GraphCaptureError:
 def _host_transfers_refused() -> Iterator[None]:
     """Patch, for the capture, the host transfers that dispatch nothing on a CPU tensor.
 
-    ``.tolist()``, ``.numpy()``, ``.cpu()`` and ``.to("cpu")`` raise (on a GPU each copies to the
-    host and syncs; ``.to("cpu", non_blocking=True)`` copies into new host memory, as a captured
-    async copy into a pinned buffer does); ``torch.tensor(data, device=...)`` and
+    ``.tolist()``, ``.numpy()``, ``.cpu()`` and ``.to("cpu")`` of device memory raise (on a GPU
+    each copies to the host and syncs; ``.to("cpu", non_blocking=True)`` copies into new host
+    memory, as a captured async copy into a pinned buffer does); ``torch.tensor(data, device=...)`` and
     ``torch.as_tensor(data, device=...)`` of host data raise (a blocking copy to the device).
     """
     tensor_to, new_tensor, as_tensor = torch.Tensor.to, torch.tensor, torch.as_tensor
@@ -428,6 +428,8 @@ def _host_transfers_refused() -> Iterator[None]:
 
     def refuse(name: str) -> Callable[..., Any]:
         def refused(self, *args, **kwargs):
+            if is_host_memory(self):  # already on the host: no transfer
+                return originals[name](self, *args, **kwargs)
             raise _transfer_refused(f"Tensor.{name}()")
 
         return refused
@@ -435,7 +437,7 @@ def _host_transfers_refused() -> Iterator[None]:
     def to(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # Only a device named in the call: .to(dtype) and .to(other) (other's device) stay on the device.
         device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
-        if device is None or torch.device(device).type != "cpu":
+        if device is None or torch.device(device).type != "cpu" or is_host_memory(self):
             return tensor_to(self, *args, **kwargs)
         if not kwargs.get("non_blocking", len(args) > 2 and args[2]):  # .to(device, dtype, non_blocking)
             raise _transfer_refused(f"Tensor.to({device!r})")
