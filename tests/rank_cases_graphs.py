@@ -24,7 +24,7 @@ from unittest.mock import patch
 
 import torch
 
-from tests.harness.gpu_defaults.recorded_graphs import RecordedGraphBackend
+from tests.harness.gpu_defaults.recorded_graphs import RecordedGraphBackend, host_memory
 from tests.rank_cases import _target_head
 
 GRAPH_CAPTURE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.graph_capture"
@@ -54,10 +54,15 @@ def hot_draft_head(hot: int, hidden: int) -> torch.Tensor:
 def _recorded_backend(runner) -> RecordedGraphBackend:
     """What ``resolve_decode_backend`` returns here: recorded graphs that watch the buffers the
     runner copies each batch into and, for a draft runner, the worker's tensors (``hot_token_id``),
-    and compare each capture's collectives over the TP group."""
+    and compare each capture's collectives over the TP group. The runner's ``*_cpu`` buffers
+    (``seq_lens_cpu``: SGLang allocates them with ``device="cpu"`` on a GPU) are host memory."""
     from sglang.srt.runtime_context import get_parallel
 
     owners = (runner, runner.buffers, *filter(None, [getattr(runner, "eagle_worker", None)]))
+    for owner in owners:
+        for name, value in vars(owner).items():
+            if name.endswith("_cpu") and isinstance(value, torch.Tensor):
+                host_memory(value)
     return RecordedGraphBackend(owners, group=get_parallel().tp_group.cpu_group)
 
 
