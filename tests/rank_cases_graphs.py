@@ -24,7 +24,7 @@ from unittest.mock import patch
 
 import torch
 
-from tests.harness.gpu_defaults.recorded_graphs import RecordedGraphBackend
+from tests.harness.gpu_defaults.recorded_graphs import RecordedGraphBackend, host_memory
 from tests.rank_cases import _target_head
 
 GRAPH_CAPTURE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.graph_capture"
@@ -54,10 +54,15 @@ def hot_draft_head(hot: int, hidden: int) -> torch.Tensor:
 def _recorded_backend(runner) -> RecordedGraphBackend:
     """What ``resolve_decode_backend`` returns here: recorded graphs that watch the buffers the
     runner copies each batch into and, for a draft runner, the worker's tensors (``hot_token_id``),
-    and compare each capture's collectives over the TP group."""
+    and compare each capture's collectives over the TP group. The runner's ``*_cpu`` buffers
+    (``seq_lens_cpu``: SGLang allocates them with ``device="cpu"`` on a GPU) are host memory."""
     from sglang.srt.runtime_context import get_parallel
 
     owners = (runner, runner.buffers, *filter(None, [getattr(runner, "eagle_worker", None)]))
+    for owner in owners:
+        for name, value in vars(owner).items():
+            if name.endswith("_cpu") and isinstance(value, torch.Tensor):
+                host_memory(value)
     return RecordedGraphBackend(owners, group=get_parallel().tp_group.cpu_group)
 
 
@@ -777,7 +782,7 @@ def recorded_eagle_graph_cases(payload: dict) -> dict:
     (no rejection sampling) and under rejection sampling (its sampling and all-greedy graphs,
     the exchange forced to ``full``); the draft-extend graph and one EAGLE step with the target's
     verify graph under each layout and exchange; the target's plain decode graph; then the
-    injected faults."""
+    injected faults and the collective captures."""
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
@@ -793,4 +798,39 @@ def recorded_eagle_graph_cases(payload: dict) -> dict:
             out[("verify", layout, exchange)] = _target_graphs(payload, layout, exchange)
     out[("verify", "balanced", "full", "rejection")] = _target_graphs(payload, "balanced", "full", True)
     out["target decode"] = _target_decode_graph(payload)
-    return out | {"faults": _faults(payload)}
+    return out | {"faults": _faults(payload), "collective captures": collective_captures(payload)}
+
+
+def collective_captures(payload: dict) -> dict:
+    """Captures of collectives on this rank, recorded directly: a functional all-reduce (torch's
+    ``_functional_collectives``, its output waited on by a separate op) replayed with ``x`` set to
+    each of two values times (rank + 1); then a capture in which rank 1 skips the all-reduce that
+    rank 0 issues (on a group of its own whose gloo timeout frees rank 0's pending op soon after),
+    with ``payload["collective timeout"]``: rank 0's error and how long it took."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from tests.harness.gpu_defaults.recorded_graphs import record
+
+    rank, x = dist.get_rank(), torch.zeros(4)
+    graph, _ = record(lambda: funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1)
+    out: dict = {"replays": {}}
+    for value in (1.0, 5.0):
+        x.fill_(value * (rank + 1))
+        out["replays"][value] = graph.replay().clone()
+
+    skipped_group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=3))
+
+    def skipping() -> torch.Tensor:
+        y = x * 1
+        if rank == 0:
+            dist.all_reduce(y, group=skipped_group)
+        return y
+
+    start = time.monotonic()
+    out["skipped"] = _error(lambda: record(skipping, collective_timeout=payload["collective timeout"]))
+    out["seconds"] = time.monotonic() - start
+    return out

@@ -12,9 +12,12 @@ to float32 rounding where a product ran padded: ``assert_replay_equals_eager``).
 then go through SGLang's ``DecodeCudaGraphRunner`` of a one-layer target (TARGET_VERIFY, the
 LM head the draft's hot head is gathered from), whose replays must equal the target run eagerly.
 Faults a GPU would refuse, injected into the plugin, must fail with the recorder's error
-(``tests/rank_cases_graphs.py``)."""
+(``tests/rank_cases_graphs.py``). On the same group, the recorder's own collective handling: a
+functional all-reduce's replay, and a capture in which one rank skips a collective."""
 
 from __future__ import annotations
+
+import datetime
 
 import pytest
 import torch
@@ -58,7 +61,8 @@ def ranks() -> list[dict]:
         perm.draft, perm.token_map("hot"), STEPS, CAPTURE_SIZES
     )
     payload = {"vocab": VOCAB, "hot": HOT, "hidden": HIDDEN, "steps": STEPS, "temperature": TEMPERATURE,
-               "max_running": 48, "map_ids": skewed_ids(VOCAB, HOT), "replays": REPLAYS}  # fmt: skip
+               "max_running": 48, "map_ids": skewed_ids(VOCAB, HOT), "replays": REPLAYS,
+               "collective timeout": datetime.timedelta(seconds=1)}  # fmt: skip
     return run_tp_group(rank_cases_graphs.recorded_eagle_graph_cases, 2, payload, timeout=300,
                         server_args=server_args)  # fmt: skip
 
@@ -218,3 +222,21 @@ def test_what_a_gpu_would_refuse_fails(ranks):
         assert faults["hot_token_id replaced"].startswith(
             "GraphReplayError: EagleDraftWorker.hot_token_id was replaced after capture"
         ), faults["hot_token_id replaced"]
+
+
+def test_a_functional_all_reduce_replays_the_reduced_values(ranks):
+    """The replay waits on the functional all-reduce before copying its output: every rank returns
+    2 * (value + 2 * value) + 1, the sum over both ranks, not its own part."""
+    for rank in ranks:
+        for value, replay in rank["collective captures"]["replays"].items():
+            assert replay.tolist() == [6 * value + 1] * 4, (value, replay)
+
+
+def test_a_collective_one_rank_skips_fails_the_capture_within_the_timeout(ranks):
+    """Rank 1 skips the all-reduce rank 0 issues: rank 0's capture fails with the recorder's error
+    after the 1 s collective timeout, not the group's (minutes); rank 1's capture holds no collective."""
+    error = ranks[0]["collective captures"]["skipped"]
+    assert error.startswith("GraphCaptureError: c10d.allreduce_.default did not complete within 1 s"), error
+    assert "rank_cases_graphs.py:" in error and "(skipping)" in error
+    assert ranks[0]["collective captures"]["seconds"] < 10
+    assert ranks[1]["collective captures"]["skipped"] is None

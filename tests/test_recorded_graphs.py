@@ -4,10 +4,30 @@ what a CUDA graph cannot hold is refused at capture or at replay."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from tests.harness.gpu_defaults.recorded_graphs import GraphCaptureError, GraphReplayError, record
+from tests.harness.gpu_defaults.recorded_graphs import (
+    GraphCaptureError,
+    GraphReplayError,
+    host_memory,
+    record,
+)
+
+# Custom ops with a Python body, as SGLang registers its own (direct_register_custom_op: Library.impl
+# for the device's key) and as torch.library.custom_op does: the body's Python is what runs at capture.
+_body_calls: list[int] = []
+_LIB = torch.library.Library("frspec_recorded_graphs_test", "DEF")
+_LIB.define("thrice_if_finite(Tensor x) -> Tensor")
+_LIB.impl("thrice_if_finite", lambda x: x * 3 if torch.isfinite(x).all() else x, "CPU")  # a host sync
+
+
+@torch.library.custom_op("frspec_recorded_graphs_test::twice_plus_calls", mutates_args=())
+def _twice_plus_calls(x: torch.Tensor) -> torch.Tensor:
+    _body_calls.append(1)  # Python state the body reads: frozen at capture on a GPU
+    return x * 2 + len(_body_calls)
 
 
 class Buffers:
@@ -31,8 +51,8 @@ class Buffers:
         tail.mul_(0.5)  # ... written through
         torch.mul(self.x, self.bias, out=self.out)  # out=
         top = torch.topk(torch.cat([h, self.out], 1), 3, dim=1).values.t()  # a view of an op's output
-        offsets = torch.tensor([1.0, 2.0, 3.0])  # host data inside the capture: a constant
-        return top + offsets[:, None], tail, self.out[1:]
+        offset = torch.tensor(1.5)  # host data inside the capture: a kernel's scalar, a constant
+        return top + offset, tail, self.out[1:]
 
 
 def test_replay_equals_eager_on_new_values_and_freezes_the_python():
@@ -67,11 +87,26 @@ def test_replay_equals_eager_on_new_values_and_freezes_the_python():
         (lambda t: torch.nonzero(t), "aten.nonzero.default inside a graph capture: its output shape"),
         (lambda t: t[t > 0], "aten.index.Tensor inside a graph capture: its output shape"),
         (lambda t: torch.unique(t), "inside a graph capture: its output shape"),
+        (lambda t: torch.repeat_interleave(t.long()), "aten.repeat_interleave.Tensor inside a graph capture"),
+        (lambda t: t.__setitem__(t > 0, t[0]), "aten.index_put_.default with a bool mask inside a graph"),
+        (lambda t: torch.index_put(t, (t > 0,), t.sum()), "aten.index_put.default with a bool mask inside"),
+        (
+            lambda t: t.index_put_((t > 0,), torch.tensor(1.0), accumulate=True),
+            "index_put_.default with a bool",
+        ),
+        (
+            lambda t: torch.ops.frspec_recorded_graphs_test.thrice_if_finite(t),
+            "aten._local_scalar_dense.default inside a graph capture: it reads",
+        ),
     ],
 )
-def test_capture_refuses_host_syncs_and_data_dependent_shapes(host_read, message):
+@pytest.mark.parametrize("inference_mode", [False, True], ids=["grad-mode", "inference-mode"])
+def test_capture_refuses_host_syncs_and_data_dependent_shapes(host_read, message, inference_mode):
+    """Also under inference mode (SGLANG_ENABLE_TORCH_INFERENCE_MODE) and inside a custom op's body,
+    where composite ops (``bool(t)``: ``is_nonzero``) reach the recorder undecomposed."""
     t = torch.randn(5)
-    with pytest.raises(GraphCaptureError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    pattern = message.replace("(", r"\(").replace(")", r"\)")
+    with torch.inference_mode(inference_mode), pytest.raises(GraphCaptureError, match=pattern):
         record(lambda: host_read(t * 2))
     assert t.tolist() and t.cpu() is t  # restored after the capture
 
@@ -81,6 +116,34 @@ def test_integer_indexing_is_captured():
     graph, _ = record(lambda: table[rows])
     rows.copy_(torch.tensor([0, 9]))
     assert graph.replay().tolist() == [0.0, 27.0]
+
+
+def test_a_masked_scalar_write_and_repeat_interleave_with_output_size_are_captured():
+    """``x[mask] = scalar`` becomes ``masked_fill_`` on a GPU (no sync), and ``repeat_interleave``
+    given its ``output_size`` needs no host read: both replay on the new values."""
+    x, counts = torch.tensor([1.0, -2.0, 3.0]), torch.tensor([2, 0, 1])
+
+    def forward() -> torch.Tensor:
+        y = x.clone()
+        y[y < 0] = 0.0
+        return torch.repeat_interleave(y, counts, output_size=3)
+
+    graph, captured = record(forward)
+    assert captured.tolist() == [1.0, 1.0, 3.0]
+    x.copy_(torch.tensor([-1.0, 4.0, 5.0]))
+    counts.copy_(torch.tensor([1, 1, 1]))
+    assert graph.replay().tolist() == [0.0, 4.0, 5.0]
+
+
+def test_a_custom_ops_python_body_runs_at_capture_and_its_ops_replay():
+    """A custom op's Python body runs once, at capture, as on a GPU (its kernels are captured, not
+    its Python): the replay runs the ops it dispatched, on the new values, and not the body."""
+    x = torch.ones(3)
+    _body_calls.clear()
+    graph, captured = record(lambda: torch.ops.frspec_recorded_graphs_test.twice_plus_calls(x))
+    assert captured.tolist() == [3.0] * 3
+    x.fill_(5.0)
+    assert graph.replay().tolist() == [11.0] * 3 and len(_body_calls) == 1
 
 
 def test_replay_refuses_a_freed_input():
@@ -99,3 +162,44 @@ def test_replay_refuses_an_input_whose_storage_moved():
     buffer.untyped_storage().resize_(4096)  # the same tensor, its memory reallocated
     with pytest.raises(GraphReplayError, match="the graph reads a buffer whose storage moved after capture"):
         graph.replay()
+
+
+@pytest.mark.parametrize(
+    ("transfer", "message"),
+    [
+        (lambda t, h: t.to("cpu"), "Tensor.to('cpu') inside a graph capture: a blocking copy"),
+        (lambda t, h: t.to(device=torch.device("cpu"), dtype=torch.half), "Tensor.to(device(type='cpu'))"),
+        (lambda t, h: h.copy_(t), "aten.copy_.default between host and device memory inside a graph"),
+        (lambda t, h: t.copy_(h), "aten.copy_.default between host and device memory inside a graph"),
+        (lambda t, h: torch.tensor([1.0], device="cpu"), "torch.tensor(data, device='cpu') inside a"),
+        (lambda t, h: torch.as_tensor([1], device=t.device), "torch.as_tensor(data, device=device(type="),
+        (lambda t, h: t + torch.tensor([1.0] * 5), "aten.add.Tensor reads host memory (torch.float32 [5])"),
+        (lambda t, h: t[torch.tensor([0, 2])], "aten.index.Tensor reads host memory (torch.int64 [2])"),
+        (lambda t, h: t * h, "aten.mul.Tensor reads host memory (torch.float32 [5]) inside a graph"),
+    ],
+)
+def test_capture_refuses_host_transfers(transfer, message):
+    """Host memory (marked, or host data turned into a tensor) meets device memory only through a
+    blocking copy, or a kernel that cannot read it: both refused, the call named."""
+    t, host = torch.randn(5), host_memory(torch.zeros(5))
+    with pytest.raises(GraphCaptureError, match=re.escape(message)):
+        record(lambda: transfer(t * 2, host))
+    assert t.to("cpu") is t and torch.tensor([1.0], device="cpu").tolist() == [1.0]  # restored
+
+
+def test_host_ops_run_once_at_capture_and_async_copies_replay():
+    """As on a GPU: an op on host memory runs at capture and not at replay, a device op reads a 0-dim
+    host tensor as a scalar, and an async copy into a pinned buffer (``non_blocking``) is captured."""
+    x, steps, mirror = torch.ones(3), host_memory(torch.zeros(())), host_memory(torch.zeros(3))
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        steps.add_(1)  # host bookkeeping: the CPU runs it while capturing
+        assert steps.tolist() == steps.cpu().item() == steps.to("cpu").item() == 1.0  # no transfer
+        y = x * torch.tensor(2.0) + steps
+        mirror.copy_(y, non_blocking=True)
+        return y, y.to("cpu", non_blocking=True)
+
+    graph, _ = record(forward)
+    x.fill_(5.0)
+    y, on_host = graph.replay()
+    assert steps.item() == 1.0 and y.tolist() == mirror.tolist() == on_host.tolist() == [11.0] * 3

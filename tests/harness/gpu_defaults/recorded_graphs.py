@@ -12,9 +12,12 @@ What a GPU refuses or breaks on, this refuses too:
 
 - inside a capture, a host read of a tensor's value (``.item()``, ``bool(t)``, ``int(t)``,
   ``torch.equal``: ops tagged ``data_dependent_output``; ``.tolist()``, ``.numpy()`` and ``.cpu()``,
-  which read memory without dispatching an op and are patched for the capture) and an op whose
-  output shape depends on values (tagged ``dynamic_output_shape``: ``nonzero``, ``masked_select``,
-  ``unique``, indexing with a bool mask) raise ``GraphCaptureError``;
+  which read memory without dispatching an op and are patched for the capture), a host transfer
+  (see Host memory below), an op whose output shape depends on values (tagged
+  ``dynamic_output_shape``: ``nonzero``, ``masked_select``, ``unique``, indexing with a bool mask,
+  ``repeat_interleave`` without ``output_size``) and a write through a bool mask (``index_put_``,
+  ``x[mask] = t``: the mask becomes indices; ``x[mask] = scalar`` runs as ``masked_fill_``)
+  raise ``GraphCaptureError``;
 - at replay, a buffer the graph reads from outside (memory it did not allocate) must still be
   alive with the storage it had at capture (``GraphReplayError``); a graph holds addresses, not
   tensors, so the recording holds only weak references to those storages, as torch's
@@ -22,15 +25,39 @@ What a GPU refuses or breaks on, this refuses too:
   checks that the runner's buffer attributes still hold the storages the graph reads: a buffer
   replaced after capture is never read by a graph, even while the old one stays alive.
 
-Collectives (``c10d._allgather_base_``, ``c10d.allreduce_``, SGLang's ``sglang.*`` ops, ...) are
-recorded like any op; a replay re-issues them in the recorded order and waits on each returned
-work object, as a stream orders them. ``RecordedGraphBackend`` compares each capture's sequence
-of collectives across the ranks of its group at capture.
+Host memory. Every tensor here is on the CPU, and the stand-in runners' device is "cpu": a tensor
+is device memory unless it is host memory, which is what GPU code puts on the host explicitly.
+Inside a capture, data turned into a tensor (``torch.tensor(data)``, ``torch.from_numpy``: both
+dispatch ``aten.lift_fresh``) is host memory, and so is a buffer marked with ``host_memory(t)`` (a
+GPU program's pinned or ``*_cpu`` buffer, which on the CPU looks like any other tensor). Then, as
+on a GPU: an op on host memory only runs once, at capture, and is not replayed (the CPU ran it, the
+graph holds no host op); a device op may read a 0-dim host tensor (a kernel takes it as a scalar)
+but no other host tensor; a blocking copy between host and device (``copy_``, ``.to("cpu")``,
+``torch.tensor(data, device=...)``) is refused, as it syncs. GPU code names the host "cpu" and a
+new tensor's ``device`` the device, and so does this: a ``.to(self.device)`` or
+``torch.tensor(data, device=self.device)`` inside a capture is refused here although the
+stand-in's device is "cpu" (SGLang's captured code does neither).
+
+A custom op whose kernel is a Python function (``torch.library.custom_op``, ``Library.impl``, as
+SGLang's ``direct_register_custom_op``) is traced into: its Python runs once, at capture, and the
+ops it dispatches are recorded, as a GPU captures its kernels and not its Python. There, and under
+inference mode, dispatch runs below autograd, so a composite op (``bool(t)``: ``is_nonzero``)
+reaches the recorder whole: it is decomposed, as with autograd on, so its host read is seen.
+
+Collectives (``c10d._allgather_base_``, ``c10d.allreduce_``, SGLang's ``sglang.*`` ops, torch's
+functional ``_c10d_functional.*``, ...) are recorded like any op; a replay re-issues them in the
+recorded order and waits on each returned work object or functional output before the next op
+reads it, as a stream orders them. At capture, a collective that returns a work object must
+complete within ``collective_timeout``: a rank that skips a collective the others issue would
+leave them waiting for the group's timeout (minutes), where a GPU's capture would hang.
+``RecordedGraphBackend`` compares each capture's sequence of collectives across the ranks of its
+group at capture.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import traceback
 import weakref
@@ -40,18 +67,30 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives  # noqa: F401 (registers _c10d_functional's Python ops)
 from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import BaseCudaGraphBackend
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-# Ops whose dynamic_output_shape tag covers only bool-mask indices (integer indexing has a fixed shape).
-_INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+# Writes through indices: untagged, yet a bool mask among them is turned into indices (nonzero).
+_INDEX_PUTS = {"aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "sglang", "sgl_kernel"}
 _COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast",
                      "all_to_all", "alltoall", "shm_")  # fmt: skip
 # Tensor methods that read a tensor's memory on the host without dispatching an op (on a CPU tensor).
 _HOST_READS = ("tolist", "numpy", "cpu")
+# Host data becoming a tensor: torch.tensor(data), torch.as_tensor(data), torch.from_numpy(array).
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+# funcol's wrapper of a collective's output in an AsyncCollectiveTensor (a Python op, no storage).
+_WRAP_ASYNC = torch.ops._c10d_functional._wrap_tensor_autograd.default
+# Where a custom op's own kernel is registered, below the dispatch key of this mode.
+_PYTHON_KERNEL_KEYS = ("CPU", "CompositeExplicitAutograd")
+_CPU_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)  # far above a capture's skew between ranks
+# Storages of host memory (see the module's docstring), weakly: a freed buffer's address is reused.
+_host_storages: dict[int, StorageWeakRef] = {}
 
 
 class GraphCaptureError(RuntimeError):
@@ -141,8 +180,12 @@ class RecordedGraph:
             args, kwargs = tree_unflatten([value(leaf) for leaf in op.args], op.args_spec)
             results, _ = tree_flatten(op.func(*args, **kwargs))
             for result, slot_index in zip(results, op.outputs, strict=True):
-                if isinstance(result, torch.ScriptObject) and result._has_method("wait"):
+                if _is_work(result):
                     result.wait()  # a collective's work: later ops read its output
+                elif op.func.namespace == "_c10d_functional" and isinstance(result, torch.Tensor):
+                    # A functional collective fills a new tensor asynchronously: wait before it is
+                    # copied into the captured output (the recorded wait_tensor names that one).
+                    torch.ops._c10d_functional.wait_tensor(result)
                 if slot_index is None:
                     continue
                 slot = self.slots[slot_index]
@@ -156,15 +199,44 @@ class RecordedGraph:
         return tree_unflatten([value(leaf) for leaf in self.output_leaves], self.output_spec)
 
 
+def _has_python_body(func: torch._ops.OpOverload) -> bool:
+    """An op whose CPU kernel is a Python function (``torch.library.custom_op``, ``Library.impl``)."""
+    name = func._schema.name.split("::")[1]
+    return any(
+        f"{func.namespace}/{op}/{key}" in torch.library._impls
+        for op in (name, f"{name}.{func._overloadname}")
+        for key in _PYTHON_KERNEL_KEYS
+    )
+
+
+def _is_work(x: Any) -> bool:
+    return isinstance(x, torch.ScriptObject) and x._has_method("wait")
+
+
 def _storage_address(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def host_memory(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t``'s storage as host memory (a pinned or pageable buffer of a GPU program); return ``t``."""
+    for address in [a for a, ref in _host_storages.items() if ref.expired()]:
+        del _host_storages[address]
+    if t.untyped_storage().nbytes():  # an empty storage has no address of its own
+        _host_storages[_storage_address(t)] = StorageWeakRef(t.untyped_storage())
+    return t
+
+
+def is_host_memory(t: torch.Tensor) -> bool:
+    ref = _host_storages.get(_storage_address(t))
+    return ref is not None and not ref.expired() and t.untyped_storage().nbytes() > 0
 
 
 class _Recorder(TorchDispatchMode):
     """Records every op dispatched inside it; refuses what a CUDA graph capture cannot hold."""
 
-    def __init__(self):
+    def __init__(self, collective_timeout: datetime.timedelta):
         super().__init__()
+        self.collective_timeout = collective_timeout
         self.ops: list[_RecordedOp] = []
         self.slots: list[_Slot] = []
         self.collectives: list[str] = []
@@ -193,14 +265,31 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        _refuse_unless_capturable(func, args, kwargs)
+        if func is _WRAP_ASYNC:  # wait at once, as funcol does when traced: a stream orders it so
+            func = torch.ops._c10d_functional.wait_tensor.default
+        elif _has_python_body(func):
+            # On a GPU the body's Python runs once, at capture, and its kernels are the graph: record
+            # the ops it dispatches (the Python stays at capture) rather than the op, whose replay
+            # would run the Python again.
+            with self:
+                return func.redispatch(_CPU_KERNEL, *args, **kwargs)
+        elif torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE):
+            # Below autograd (inference mode, a custom op's body) a composite op reaches this mode
+            # whole: record what it decomposes into, as with autograd on (bool(t): is_nonzero, item).
+            with self:
+                return func.decompose(*args, **kwargs)
+        if func in _LIFTS:
+            host_memory(args[0])
         leaves, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        host = [x for x in tensors if is_host_memory(x)]
+        if host and len(host) == len(tensors):
+            return self._host_op(func, args, kwargs)
+        _refuse_host_transfer(func, args, host)
+        _refuse_unless_capturable(func, args, kwargs)
         name = str(func)
         if func.namespace in _COLLECTIVE_NAMESPACES and any(w in name for w in _COLLECTIVE_WORDS):
             self.collectives.append(_describe_collective(name, leaves))
-        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
-            # torch.tensor(host data) inside the capture: the data is a constant of the graph.
-            self._owned_storages.add(_storage_address(args[0]))
         input_storages = {_storage_address(x) for x in leaves if isinstance(x, torch.Tensor)}
         recorded_args = [
             ("slot", self.slot_of(x, name)) if isinstance(x, torch.Tensor) else x for x in leaves
@@ -209,6 +298,8 @@ class _Recorder(TorchDispatchMode):
         results, _ = tree_flatten(out)
         outputs: list[int | None] = []
         for result in results:
+            if _is_work(result):
+                self._wait_for_every_rank(result, name)
             if not isinstance(result, torch.Tensor):
                 outputs.append(None)
             elif id(result) in self._slot_of:
@@ -221,6 +312,26 @@ class _Recorder(TorchDispatchMode):
         self.ops.append(_RecordedOp(func, spec, recorded_args, outputs))
         return out
 
+    def _wait_for_every_rank(self, work: torch.ScriptObject, name: str) -> None:
+        try:
+            torch._C._distributed_c10d.Work.unbox(work).wait(self.collective_timeout)
+        except RuntimeError as e:
+            seconds = self.collective_timeout.total_seconds()
+            raise GraphCaptureError(
+                f"{name} did not complete within {seconds:g} s of a graph capture: a rank that skips a "
+                f"collective inside a capture leaves the others waiting (on a GPU, a hung capture); "
+                f"at {_caller()}: {e}"
+            ) from e
+
+    def _host_op(self, func, args, kwargs) -> Any:
+        """An op on host memory only: on a GPU the CPU runs it once, at capture, and the graph holds
+        no host op; its results are host memory the graph keeps (a device op may read one as a scalar)."""
+        out = func(*args, **kwargs)
+        for result in tree_flatten(out)[0]:
+            if isinstance(result, torch.Tensor):
+                self._owned_storages.add(_storage_address(host_memory(result)))
+        return out
+
 
 def _caller() -> str:
     """Where the capture's Python asked for the op: the innermost frame outside torch and this file."""
@@ -230,6 +341,24 @@ def _caller() -> str:
     return "unknown"
 
 
+def _refuse_host_transfer(func, args, host: list[torch.Tensor]) -> None:
+    """Refuse a device op on host memory: a blocking copy syncs; a kernel reads only a 0-dim host tensor."""
+    if not host:
+        return
+    if func is torch.ops.aten.copy_.default:
+        if not (len(args) > 2 and args[2]):  # non_blocking: an async copy with a pinned buffer is captured
+            raise GraphCaptureError(
+                f"{func} between host and device memory inside a graph capture: a blocking copy syncs "
+                f"with the host, which a CUDA graph cannot capture; at {_caller()}"
+            )
+    elif any(x.dim() for x in host):
+        shapes = ", ".join(f"{x.dtype} {list(x.shape)}" for x in host)
+        raise GraphCaptureError(
+            f"{func} reads host memory ({shapes}) inside a graph capture: a CUDA kernel reads no host "
+            f"tensor but a 0-dim one, and moving it to the device is a blocking copy; at {_caller()}"
+        )
+
+
 def _refuse_unless_capturable(func, args, kwargs) -> None:
     if torch.Tag.data_dependent_output in func.tags:
         raise GraphCaptureError(
@@ -237,16 +366,39 @@ def _refuse_unless_capturable(func, args, kwargs) -> None:
             f"int(t), a Python branch on a tensor), a host sync that a CUDA graph cannot capture; "
             f"at {_caller()}"
         )
-    if torch.Tag.dynamic_output_shape in func.tags:
-        indices, _ = tree_flatten(args[1] if len(args) > 1 else kwargs.get("indices"))
-        bool_index = any(
-            isinstance(x, torch.Tensor) and x.dtype in (torch.bool, torch.uint8) for x in indices
+    name = func._schema.name
+    if name in _INDEX_PUTS and _has_mask(args[1]) and not _is_masked_fill(args, kwargs):
+        raise GraphCaptureError(
+            f"{func} with a bool mask inside a graph capture: the mask is turned into indices (nonzero), "
+            f"a host sync that a CUDA graph cannot capture (only x[mask] = a Python scalar is captured, "
+            f"as masked_fill_); at {_caller()}"
         )
-        if func._schema.name not in _INDEX_OPS or bool_index:
-            raise GraphCaptureError(
-                f"{func} inside a graph capture: its output shape depends on tensor values, which a CUDA "
-                f"graph cannot capture (it syncs with the host to size the output); at {_caller()}"
-            )
+    if torch.Tag.dynamic_output_shape in func.tags and not _fixed_shape(name, args, kwargs):
+        raise GraphCaptureError(
+            f"{func} inside a graph capture: its output shape depends on tensor values, which a CUDA "
+            f"graph cannot capture (it syncs with the host to size the output); at {_caller()}"
+        )
+
+
+def _has_mask(indices: Sequence[torch.Tensor | None]) -> bool:
+    return any(x is not None and x.dtype in (torch.bool, torch.uint8) for x in indices)
+
+
+def _is_masked_fill(args, kwargs) -> bool:
+    """Whether an index_put runs as masked_fill_ (ATen's ``canDispatchToMaskedFill``): no
+    accumulation, one index (the mask) and a one-element value on the host, read there at launch."""
+    indices, value = args[1], args[2]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    masks = [x for x in indices if x is not None]
+    return not accumulate and len(masks) == 1 and value.numel() == 1 and is_host_memory(value)
+
+
+def _fixed_shape(name: str, args, kwargs) -> bool:
+    """A ``dynamic_output_shape`` op whose shape is fixed here: integer indexing, and a
+    ``repeat_interleave`` given its ``output_size`` (no host read of the repeats' sum)."""
+    if name == "aten::index":
+        return not _has_mask(args[1])
+    return name == "aten::repeat_interleave" and kwargs.get("output_size") is not None
 
 
 def _describe_collective(name: str, leaves: list[Any]) -> str:
@@ -255,38 +407,72 @@ def _describe_collective(name: str, leaves: list[Any]) -> str:
     return f"{name}({', '.join(shapes + groups)})"
 
 
+def _transfer_refused(what: str) -> GraphCaptureError:
+    return GraphCaptureError(
+        f"{what} inside a graph capture: a blocking copy between host and device syncs, which a CUDA "
+        f"graph cannot capture; at {_caller()}"
+    )
+
+
 @contextlib.contextmanager
-def _host_reads_refused() -> Iterator[None]:
-    """Make ``.tolist()``, ``.numpy()`` and ``.cpu()`` raise: on a GPU each copies to the host and syncs."""
+def _host_transfers_refused() -> Iterator[None]:
+    """Patch, for the capture, the host transfers that dispatch nothing on a CPU tensor.
+
+    ``.tolist()``, ``.numpy()``, ``.cpu()`` and ``.to("cpu")`` of device memory raise (on a GPU
+    each copies to the host and syncs; ``.to("cpu", non_blocking=True)`` copies into new host
+    memory, as a captured async copy into a pinned buffer does); ``torch.tensor(data, device=...)`` and
+    ``torch.as_tensor(data, device=...)`` of host data raise (a blocking copy to the device).
+    """
+    tensor_to, new_tensor, as_tensor = torch.Tensor.to, torch.tensor, torch.as_tensor
     originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
 
     def refuse(name: str) -> Callable[..., Any]:
         def refused(self, *args, **kwargs):
-            raise GraphCaptureError(
-                f"Tensor.{name}() inside a graph capture: it copies a tensor to the host and syncs, "
-                f"which a CUDA graph cannot capture; at {_caller()}"
-            )
+            if is_host_memory(self):  # already on the host: no transfer
+                return originals[name](self, *args, **kwargs)
+            raise _transfer_refused(f"Tensor.{name}()")
 
         return refused
 
+    def to(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        # Only a device named in the call: .to(dtype) and .to(other) (other's device) stay on the device.
+        device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
+        if device is None or torch.device(device).type != "cpu" or is_host_memory(self):
+            return tensor_to(self, *args, **kwargs)
+        if not kwargs.get("non_blocking", len(args) > 2 and args[2]):  # .to(device, dtype, non_blocking)
+            raise _transfer_refused(f"Tensor.to({device!r})")
+        return host_memory(tensor_to(self, *args[:3], **kwargs | {"copy": True}))
+
+    def from_data(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def refused_with_device(data, *args, **kwargs) -> torch.Tensor:
+            if kwargs.get("device") is not None and not isinstance(data, torch.Tensor):
+                raise _transfer_refused(f"torch.{factory.__name__}(data, device={kwargs['device']!r})")
+            return factory(data, *args, **kwargs)
+
+        return refused_with_device
+
     for name in _HOST_READS:
         setattr(torch.Tensor, name, refuse(name))
+    torch.Tensor.to, torch.tensor, torch.as_tensor = to, from_data(new_tensor), from_data(as_tensor)
     try:
         yield
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        torch.Tensor.to, torch.tensor, torch.as_tensor = tensor_to, new_tensor, as_tensor
 
 
 _recording = [False]  # whether record() is running: what a capture stream reports on a GPU
 
 
-def record(fn: Callable[[], Any]) -> tuple[RecordedGraph, Any]:
+def record(
+    fn: Callable[[], Any], collective_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT
+) -> tuple[RecordedGraph, Any]:
     """Run ``fn`` once under the recorder: the graph of its ops and ``fn``'s output."""
-    recorder = _Recorder()
+    recorder = _Recorder(collective_timeout)
     _recording[0] = True
     try:
-        with _host_reads_refused(), recorder:
+        with _host_transfers_refused(), recorder:
             out = fn()
     finally:
         _recording[0] = False
