@@ -4,8 +4,11 @@ draft-extend buffer, weight-update refreshes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from tests.harness.releases import refused_flush_fails_the_update
 from tests.rank_cases import _draft_head, _target_head
 
 HIDDEN_SEED = 1
@@ -378,6 +381,9 @@ def weight_update_refresh(payload: dict) -> dict:
         update_weights_from_disk=lambda recv_req: (True, "draft kept"),  # one-call releases ask it too
         update_weights_from_ipc=lambda recv_req: (True, "draft kept"),
     )
+    # SGLang 0.5.20-0.5.21 give the manager the TP CPU group (for its barriers); later ones derive it.
+    fields = {field.name for field in dataclasses.fields(SchedulerWeightUpdaterManager) if field.init}
+    group = {"tp_cpu_group": get_parallel().tp_group.cpu_group} if "tp_cpu_group" in fields else {}
     manager = SchedulerWeightUpdaterManager(
         tp_worker=_Worker([("target", runner)]) if sessions else _OneCallWorker(runner),
         draft_worker=draft_worker,
@@ -385,7 +391,7 @@ def weight_update_refresh(payload: dict) -> dict:
         flush_cache=lambda empty_cache=False: flush_ok["value"],
         is_fully_idle=lambda **kwargs: True,
         scheduler=SimpleNamespace(record_weight_version_change=lambda new_version: None),
-        **({} if sessions else {"tp_cpu_group": get_parallel().tp_group.cpu_group}),
+        **group,
     )
 
     def expected_head(version: int) -> torch.Tensor:
@@ -410,11 +416,19 @@ def weight_update_refresh(payload: dict) -> dict:
         return out
     from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
 
-    # Disk update whose cache flush is refused (on rank 0 only: the ranks' results differ).
-    flush_ok["value"] = rank != 0
-    result = manager.update_weights_from_disk(UpdateWeightFromDiskReqInput(model_path="1", flush_cache=True))
-    record("disk_flush_refused_on_rank0", 1, result)
-    flush_ok["value"] = True
+    if refused_flush_fails_the_update():
+        # Disk update whose cache flush is refused (on rank 0 only: the ranks' results differ).
+        flush_ok["value"] = rank != 0
+        result = manager.update_weights_from_disk(
+            UpdateWeightFromDiskReqInput(model_path="1", flush_cache=True)
+        )
+        record("disk_flush_refused_on_rank0", 1, result)
+        flush_ok["value"] = True
+    else:
+        result = manager.update_weights_from_disk(
+            UpdateWeightFromDiskReqInput(model_path="1", flush_cache=False)
+        )
+        record("disk", 1, result)
     # P2P/RDMA: weights written directly between begin and end.
     manager.begin_weight_update(BeginWeightUpdateReqInput())
     runner._load(2)

@@ -4,6 +4,7 @@ differences between releases are its forms, ``sglang_frspec/adapters/hooks.py`` 
 from __future__ import annotations
 
 import importlib
+import inspect
 
 
 def cpu_verify_samples() -> bool:
@@ -19,4 +20,22 @@ def pd_builds_first_proposal() -> bool:
     sampling (``pd_first_draft_proposal``, SGLang 0.5.22 on; before, it makes none)."""
     return hasattr(
         importlib.import_module("sglang.srt.speculative.eagle_disaggregation"), "pd_first_draft_proposal"
+    )
+
+
+def draft_pick_op() -> set[str]:
+    """The CPU site's op a sampled draft proposal runs: ``row_argmax`` (SGLang 0.5.22 on, imported
+    by ``speculative/spec_utils.py``), none before (a torch pick)."""
+    spec_utils = importlib.import_module("sglang.srt.speculative.spec_utils")
+    return {"row_argmax"} if hasattr(spec_utils, "row_argmax") else set()
+
+
+def refused_flush_fails_the_update() -> bool:
+    """Whether a weight update whose cache flush is refused reports failure (SGLang 0.5.22 on);
+    before, the scheduler asserts (``flush_cache_after_weight_update``: "Cache flush failed")."""
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+
+    return (
+        "success"
+        in inspect.signature(SchedulerWeightUpdaterManager.flush_cache_after_weight_update).parameters
     )

@@ -121,8 +121,11 @@ def register() -> None:
     importlib.import_module("sglang.kernels.ops.attention.fla.fused_norm_gate")._use_cpu = True
     # Ops that are None on CPU: set, not a REPLACE hook, which would rebind every module global
     # that is the original object (every None in the process) to the replacement.
+    # Releases before 0.5.23 import them from sgl_kernel inside the verify: the stand-in's too.
+    sgl_kernel = importlib.import_module("sgl_kernel")
     for op in ("tree_speculative_sampling_target_only", "top_k_renorm_prob", "top_p_renorm_prob"):
         setattr(eagle_utils, op, _logged(op))
+        setattr(sgl_kernel, op, _logged(op))
     if not torch.cuda.is_available():
         # DeepSeek's set_embed_and_head (sglang/srt/models/deepseek_v2.py:3448, run when a NextN
         # draft takes the target's head) synchronizes CUDA unconditionally: nothing to wait for here.
