@@ -17,7 +17,7 @@ from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, CPU_SITE, cpu_env, eagle_arg
 from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, cache_root, perm_fixture
 from sglang_frspec.demo.server import Launch, SGLangServer, kill_tree
 from tests.harness.gpu_defaults.overlap import SITE as GPU_DEFAULTS_SITE
-from tests.harness.gpu_defaults.overlap import overlap_env
+from tests.harness.gpu_defaults.overlap import overlap_env, ranks_not_under_overlap
 from tools.serving.zygote import ZYGOTES_STARTED, forked_launch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,6 +101,9 @@ _SERVERS_KEY = pytest.StashKey[list]()
 # Every server the fixtures made, with the test that made it: the session's closing summary
 # reports their start-up times (where a server test's time goes; docs/testing.md).
 _SERVERS_MADE: list[tuple[str, SGLangServer]] = []
+# The servers made with overlap=True: each must have decoded under the overlap scheduler, if it
+# decoded at all (``servers_decoded_under_overlap``).
+_OVERLAP_SERVERS: list[SGLangServer] = []
 
 
 def fixture_server_args(
@@ -135,6 +138,8 @@ def fixture_server(
     env = cpu_env(tp, with_plugin=plugin, base=os.environ | (env or {}))
     env = overlap_env(env) if overlap else env
     server = SGLangServer(args, env, log_path, launch=launch)
+    if overlap:
+        _OVERLAP_SERVERS.append(server)
     _SERVERS_MADE.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], server))
     return server
 
@@ -161,6 +166,26 @@ def start_server(request, tmp_path):
 
     with teardown:
         yield start
+
+
+@pytest.fixture(autouse=True)
+def servers_decoded_under_overlap():
+    """Fail a test whose ``overlap=True`` server decoded with the overlap scheduler off (or, if
+    speculative, without relaying its draft inputs): its tests pass under the CPU's loop as well,
+    so only the log shows that the GPU's loop did not run. Checked after the test, once its
+    servers are stopped (an autouse fixture is finalized after ``start_server``)."""
+    made_before = len(_OVERLAP_SERVERS)
+    yield
+    for server in _OVERLAP_SERVERS[made_before:]:
+        if server.started_at is None:
+            continue
+        ranks = ranks_not_under_overlap(server.log(), "--speculative-algorithm" in server.args)
+        if ranks:
+            pytest.fail(
+                f"{server.log_path}: TP rank(s) {ranks} decoded without the overlap scheduler (or "
+                "its draft-input relay); a server that runs with overlap off must say overlap=False",
+                pytrace=False,
+            )
 
 
 @pytest.hookimpl(wrapper=True)

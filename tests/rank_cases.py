@@ -68,23 +68,18 @@ def hot_logits(payload: dict) -> dict:
 
 
 def agree(payload: dict) -> str:
-    """Each rank validates its own map and joins the agreement step, as ``init_lm_head`` does (on
-    a PD node, with the map file's order); returns the error text, or "agreed"."""
+    """Each rank's draft worker runs the plugin's start-up (its ``init_lm_head`` hook, which checks
+    the map and joins the agreement step; on a PD node, with the map file's order) with its own
+    map's ids; returns the error text, or "agreed"."""
+    from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_frspec.adapters import pd
-    from sglang_frspec.adapters.worker import agree_across_ranks, map_status
-    from sglang_frspec.core import TokenMapError, canonical_hot_ids
+    from sglang_frspec.core import TokenMapError
+    from tests.rank_cases_graphs import plugin_worker
 
-    rank = get_parallel().tp_rank
+    load_plugins()
     try:
-        file_ids = torch.tensor(payload["maps"][rank])
-        hot = canonical_hot_ids(file_ids, payload["vocab"])
-        status = map_status(hot, pd.wire_order_of(file_ids, hot))
-    except TokenMapError as e:
-        status = ("error", type(e).__name__, str(e))
-    try:
-        agree_across_ranks(status, get_parallel().tp_group)
+        plugin_worker(payload | {"map_ids": payload["maps"][get_parallel().tp_rank]})
     except TokenMapError as e:
         return str(e)
     return "agreed"

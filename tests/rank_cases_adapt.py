@@ -55,8 +55,9 @@ def _adapter(shard, layout: str, hot: list[int], vocab: int):
     plan = plan_from_ranges(torch.tensor(hot), shard.shard_ranges, layout)
     local_head = build_hot_head(shard, plan, torch.float32)
     head = FrSpecDraftHead(plan, shard, FrSpecOptions(layout=layout, adapt=True), local_head)
-    counts = CommittedTokenCounts(plan.hot_ids, vocab)  # hot_token_id: on the CPU, the plan's ids
-    return HotSetAdapter(head, plan.hot_ids, counts, 1, ()), counts
+    hot_token_id = plan.hot_ids.clone()  # a tensor of its own, as init_lm_head sets it
+    counts = CommittedTokenCounts(hot_token_id, vocab)
+    return HotSetAdapter(head, hot_token_id, counts, 1, ()), counts
 
 
 def _decided(adapter, shard) -> dict:
@@ -139,3 +140,31 @@ def adapter_after_replaced_weights(payload: dict) -> dict:
         adapter.after_verify()  # rank 0 decides, every rank applies
         out[case] = _decided(adapter, shard)
     return out
+
+
+def start_up_swap_refresh(payload: dict) -> dict:
+    """The plugin's start-up (``init_lm_head`` and the coverage hook after it, with the adaptive map
+    on), an adaptive swap of committed ids outside the map, then a weight update in place (the
+    target's head times 1.5) and the head refresh the update hook runs. Returns this rank's
+    ``hot_token_id``, the plan's ids, its hot head and the hot positions it computes."""
+    from sglang.srt.plugins import load_plugins
+
+    from sglang_frspec.adapters.state import state_of
+    from tests.rank_cases_graphs import plugin_worker
+
+    load_plugins()
+    worker = plugin_worker(payload)
+    state = state_of(worker)
+    committed = torch.tensor(payload["committed"] * 3)  # three times each: beats the margin
+    state.coverage.counts.add(committed, torch.tensor([committed.numel()]), committed.numel())
+    state.coverage.adapter.after_verify()  # rank 0 decides, every rank applies
+    with torch.no_grad():
+        worker.target_worker.model_runner.model.lm_head.weight.mul_(1.5)
+    state.head.refresh()
+    plan, rank = state.head.plan, state.head.shard.rank
+    return {
+        "hot_token_id": worker.hot_token_id.clone(),
+        "plan_ids": plan.hot_ids.clone(),
+        "head": state.head.local_head.clone(),
+        "columns": (plan.offsets[rank], plan.counts[rank]),
+    }

@@ -42,7 +42,7 @@ def adaptive_metrics_export(payload: dict) -> dict:
     # The draft worker's side that the seam reads (what init_lm_head leaves on an EagleDraftWorker).
     worker = SimpleNamespace(
         frspec=FrSpecState("map.pt", None, None, head=head),
-        hot_token_id=plan.hot_ids.to(target.weight.device),  # as init_lm_head sets it
+        hot_token_id=plan.hot_ids.to(target.weight.device, copy=True),  # as init_lm_head sets it
         target_worker=SimpleNamespace(model_config=SimpleNamespace(hf_eos_token_id=None)),
     )
     seam.install_after_init_lm_head(None, worker)

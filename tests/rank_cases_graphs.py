@@ -31,17 +31,24 @@ GRAPH_CAPTURE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.graph
 FREEZE_GC = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.freeze_gc"
 
 
-def rejection_sampling_server_args(draft: str, token_map: str, steps: int, capture_sizes: list[int]) -> dict:
-    """ServerArgs fields of a TP group whose ranks build SGLang's draft-decode graph runner: EAGLE
-    with rejection sampling, top-k 1, ``steps`` steps, a map, these decode graph sizes."""
+def eagle_map_server_args(draft: str, token_map: str, steps: int) -> dict:
+    """ServerArgs fields of a TP group whose ranks run the plugin's start-up (``plugin_worker``):
+    EAGLE, top-k 1, ``steps`` steps, a map."""
     return {
         "speculative_algorithm": "EAGLE",
         "speculative_draft_model_path": draft,
-        "speculative_use_rejection_sampling": True,
         "speculative_eagle_topk": 1,
         "speculative_num_steps": steps,
         "speculative_num_draft_tokens": steps + 1,
         "speculative_token_map": token_map,
+    }
+
+
+def rejection_sampling_server_args(draft: str, token_map: str, steps: int, capture_sizes: list[int]) -> dict:
+    """``eagle_map_server_args`` with rejection sampling, for ranks that build SGLang's draft-decode
+    graph runner with these decode graph sizes."""
+    return eagle_map_server_args(draft, token_map, steps) | {
+        "speculative_use_rejection_sampling": True,
         "cuda_graph_bs_decode": capture_sizes,
     }
 
@@ -240,7 +247,7 @@ class _OneLayerTarget(_TargetHeads):
         return self.logits_processor(input_ids, states, self.lm_head, forward_batch)
 
 
-def _plugin_worker(payload: dict, target: _TargetHeads | None = None):
+def plugin_worker(payload: dict, target: _TargetHeads | None = None):
     """A draft worker set up by the plugin's own start-up hook (``init_lm_head``, applied by
     ``load_plugins``) with the layout and exchange of ``SGLANG_FRSPEC_*``: this rank's hot head
     (gathered from ``target``'s LM head shard), the hot-logits processor and the canonical
@@ -464,7 +471,7 @@ def _draft_decode_graph(payload: dict, layout: str, exchange: str, rejection_sam
     # Under rejection sampling the adaptive map is on too (swapped after the replays).
     os.environ |= {ADAPT_ENV: str(int(rejection_sampling)), ADAPT_INTERVAL_ENV: "1"}
     with get_spec().override(speculative_use_rejection_sampling=rejection_sampling):
-        worker = _plugin_worker(payload)
+        worker = plugin_worker(payload)
         processor = worker.draft_runner.model.logits_processor
         runner = _build_runner(worker, payload["steps"])
         graphs = runner.backend.graphs
@@ -509,10 +516,10 @@ def _faults(payload: dict) -> dict:
             (".item() in the head guard", FrSpecLogitsProcessor, {"_check_head": check_head_with_item}),
         )
         for name, target, injected in injections:
-            worker = _plugin_worker(payload)
+            worker = plugin_worker(payload)
             with patch.multiple(target, **injected):
                 out[name] = _error(lambda w=worker: _build_runner(w, steps))
-        worker = _plugin_worker(payload)
+        worker = plugin_worker(payload)
         runner = _build_runner(worker, steps)
         rows = payload["replays"][0][0]
         batch = lambda: _forward_batch(_draft_input(rows, payload, 1, False), rows, steps, 1.0)  # noqa: E731
@@ -577,7 +584,7 @@ def _draft_extend_graph(payload: dict, layout: str, exchange: str) -> dict:
 
     os.environ[LAYOUT_ENV], os.environ[EXCHANGE_ENV] = layout, exchange
     with get_spec().override(speculative_use_rejection_sampling=False):  # else the exchange is full
-        worker = _plugin_worker(payload)
+        worker = plugin_worker(payload)
     draft = worker.draft_runner.model
     runner = _build_runner(worker, payload["steps"], EAGLEDraftExtendCudaGraphRunner)
     buffer = runner.buffers.next_token_logits_buffer
@@ -734,7 +741,7 @@ def _target_graphs(payload: dict, layout: str, exchange: str, rejection_sampling
     os.environ[LAYOUT_ENV], os.environ[EXCHANGE_ENV] = layout, exchange
     target = _OneLayerTarget(payload["vocab"], payload["hidden"])
     with get_spec().override(speculative_use_rejection_sampling=rejection_sampling):
-        worker = _plugin_worker(payload, target)
+        worker = plugin_worker(payload, target)
         draft_runner = _build_runner(worker, payload["steps"])
         verify_runner = _build_target_runner(_target_model_runner(payload, target, speculative=True))
         graphs = verify_runner.backend.graphs
@@ -762,7 +769,7 @@ def _target_decode_graph(payload: dict) -> dict:
     the plugin's draft, replayed and run eagerly; then the target's LM head replaced after capture
     (a weight update that rebinds instead of copying in place): the replay must refuse it."""
     target = _OneLayerTarget(payload["vocab"], payload["hidden"])
-    _plugin_worker(payload, target)  # the draft's hot head gathered from this target's head
+    plugin_worker(payload, target)  # the draft's hot head gathered from this target's head
     runner = _build_target_runner(_target_model_runner(payload, target, speculative=False))
     out = {"mode": runner.capture_forward_mode.name, "keys": sorted(k.size for k in runner.backend.graphs)}
     for rows, seed, _ in payload["replays"]:

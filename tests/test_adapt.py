@@ -17,8 +17,11 @@ from sglang_frspec.core.adapt import (
     swap_groups,
 )
 from sglang_frspec.core.gather import _rows_per_step, place_hot_rows, shard_row_reader
+from sglang_frspec.core.options import ADAPT_ENV, ADAPT_INTERVAL_ENV
+from sglang_frspec.demo.fixtures import perm_fixture
 from tests import rank_cases_adapt
 from tests.harness.tp_group import run_tp_group
+from tests.rank_cases_graphs import eagle_map_server_args
 from tests.rank_cases_quantized import fp8_checkpoint
 
 VOCAB = 1000
@@ -223,3 +226,28 @@ def test_the_adapter_swaps_dequantized_rows_into_an_fp8_head(vocab, hidden):
             assert torch.equal(case["hot_ids"], hot_ids) and case["swapped"] == 4
             first, count = case["columns"]
             assert torch.equal(case["head"][:count], dequantized[hot_ids[first : first + count]]), layout
+
+
+@pytest.mark.multirank
+def test_the_start_up_swap_and_refresh_keep_the_draft_ids_and_the_plan_in_step():
+    """At TP=2, through the plugin's start-up (``hot_token_id`` a tensor of its own, as on a GPU,
+    where it lives on the device and the plan on the host), an adaptive swap and a weight refresh:
+    both the draft's ``hot_token_id`` and the plan's ids (which the refresh re-reads rows of) hold
+    the swapped-in ids, and every rank's head rows are the updated target rows of those ids."""
+    ranges = vocab_shard_ranges(VOCAB, 2)
+    hot = [*range(0, ranges[0][1], 7)][:20] + [*range(ranges[1][0], ranges[1][1], 7)][:20]  # both shards
+    committed = [ranges[1][0] + 1, ranges[1][0] + 3, 2, 4]  # two ids from each shard, outside the map
+    perm = perm_fixture()
+    payload = {"vocab": VOCAB, "hidden": 32, "steps": 2, "max_running": 4, "map_ids": hot,
+               "committed": committed}  # fmt: skip
+    results = run_tp_group(rank_cases_adapt.start_up_swap_refresh, 2, payload,
+                           server_args=eagle_map_server_args(perm.draft, perm.token_map("hot"), 2),
+                           env={ADAPT_ENV: "1", ADAPT_INTERVAL_ENV: "1"})  # fmt: skip
+    # The target's head as rank_cases._target_head loads it (seed 0), after the update.
+    updated = torch.randn(VOCAB, 32, generator=torch.Generator().manual_seed(0)) * 1.5
+    for result in results:
+        ids = result["hot_token_id"]
+        assert set(committed) <= set(ids.tolist())
+        assert torch.equal(result["plan_ids"], ids)
+        first, count = result["columns"]
+        assert torch.equal(result["head"][:count], updated[ids[first : first + count]])

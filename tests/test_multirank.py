@@ -8,12 +8,23 @@ import pytest
 import torch
 
 from sglang_frspec.core import canonical_hot_ids, vocab_shard_ranges
+from sglang_frspec.demo.fixtures import perm_fixture
 from tests import rank_cases
 from tests.harness.tp_group import run_tp_group
+from tests.rank_cases_graphs import eagle_map_server_args
 
 pytestmark = pytest.mark.multirank
 
 VOCAB, HIDDEN, ROWS, TOPK = 5003, 48, 6, 4  # 5003: not a multiple of 64
+
+
+def start_up_agreement(maps: list[list[int]], mode: str = "null") -> list[str]:
+    """Each rank of a TP=2 group (a PD ``mode`` node) runs the plugin's start-up with its own map's
+    ids (``rank_cases.agree``); each rank's error text, or "agreed"."""
+    perm = perm_fixture()
+    server_args = eagle_map_server_args(perm.draft, perm.token_map("hot"), 2) | {"disaggregation_mode": mode}
+    payload = {"vocab": VOCAB, "hidden": HIDDEN, "steps": 2, "max_running": 4, "maps": maps}
+    return run_tp_group(rank_cases.agree, 2, payload, server_args=server_args)
 
 
 def _maps(tp: int) -> dict[str, list[int]]:
@@ -162,7 +173,7 @@ def test_hot_logits_bf16_and_idle_rows():
 
 def test_ranks_with_different_maps_fail_together_naming_both_digests():
     maps = [list(range(10, 200)), list(range(10, 201))]
-    errors = run_tp_group(rank_cases.agree, 2, {"vocab": VOCAB, "maps": maps})
+    errors = start_up_agreement(maps)
     digests = [canonical_hot_ids(torch.tensor(m), VOCAB).digest[:16] for m in maps]
     for error in errors:
         assert "different token maps" in error
@@ -175,8 +186,7 @@ def test_ranks_of_a_pd_node_agree_on_the_map_files_order(mode):
     ranks agree. A PD node ships and reads positions in the file: both ranks refuse, naming why."""
     file_ids = [2, 300, 5, 9, 5, 17, 2, 40]
     maps = [file_ids, file_ids[::-1]]
-    errors = run_tp_group(rank_cases.agree, 2, {"vocab": VOCAB, "maps": maps},
-                          server_args={"disaggregation_mode": mode})  # fmt: skip
+    errors = start_up_agreement(maps, mode)
     if mode == "null":
         assert errors == ["agreed", "agreed"]
         return
@@ -187,7 +197,7 @@ def test_ranks_of_a_pd_node_agree_on_the_map_files_order(mode):
 
 def test_one_rank_with_a_bad_map_fails_every_rank():
     maps = [list(range(10, 200)), [5, VOCAB + 7]]
-    errors = run_tp_group(rank_cases.agree, 2, {"vocab": VOCAB, "maps": maps})
+    errors = start_up_agreement(maps)
     for error in errors:
         assert "TP rank 1 of 2" in error and f">= the target's vocab size {VOCAB}" in error
 

@@ -110,10 +110,8 @@ class HotSetAdapter:
         device = self.hot_token_id.device
         keys = ("positions", "ids_in", "ids_out")
         swaps = Swaps(*(torch.tensor(decision[key], dtype=torch.int64) for key in keys))
-        plan_ids = self.head.plan.hot_ids
         self.hot_token_id.index_copy_(0, swaps.positions.to(device), swaps.ids_in.to(device))
-        if plan_ids.data_ptr() != self.hot_token_id.data_ptr():  # on the CPU they are one tensor
-            plan_ids.index_copy_(0, swaps.positions, swaps.ids_in)
+        self.head.plan.hot_ids.index_copy_(0, swaps.positions, swaps.ids_in)  # the ids a refresh re-reads
         head, shard = self.head, self.head.shard
         # A reader of the head's tensor now: a weight update may replace it (a new Parameter, or
         # new storage under `.data`) rather than copy into it, and the refresh read the new one.

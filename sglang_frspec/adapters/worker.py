@@ -285,7 +285,9 @@ def _install(worker, embed, head, options: FrSpecOptions, shard: HeadShard, hot:
         needs_distribution=_rejection_sampling(),
     )
     draft_model.logits_processor = processor
-    worker.hot_token_id = plan.hot_ids.to(head.device)
+    # A tensor of its own on every device (on a GPU the move copies anyway): the adaptive map keeps
+    # both up to date, and a CPU that shared one tensor would hide an update of either forgotten.
+    worker.hot_token_id = plan.hot_ids.to(head.device, copy=True)
     return processor, local_head
 
 

@@ -34,9 +34,12 @@ SITE = Path(__file__).resolve().parent / "site"
 CPU_SWITCH_OFF = "sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu"
 RELAY_GATHER = "sglang.srt.managers.overlap_utils.gather_spec_extras"
 RELAY_LINE = "frspec-gpu-defaults: overlap scheduler on, draft inputs relayed through the future map"
+RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+DECODE_LINE = "frspec-gpu-defaults: first decode batch, overlap scheduler "  # + "on" or "off"
 
 logger = logging.getLogger(__name__)
 _relayed = False  # the relay line is logged at the first gather of each scheduler
+_decoded = False  # the decode line, at the first decode batch of each scheduler
 
 
 def register() -> None:
@@ -45,6 +48,7 @@ def register() -> None:
 
     HookRegistry.register(CPU_SWITCH_OFF, keep_overlap_on, HookType.REPLACE)
     HookRegistry.register(RELAY_GATHER, gather_spec_extras, HookType.REPLACE)
+    HookRegistry.register(RUN_BATCH, log_first_decode, HookType.AFTER)
     torch.Tensor.record_stream = _record_stream_on_device_only(torch.Tensor.record_stream)
 
 
@@ -81,6 +85,18 @@ def gather_spec_extras(
     return topk_p_buf[indices], topk_index_buf[indices], output_tokens_buf[indices], hidden
 
 
+def log_first_decode(result, scheduler, batch, *args, **kwargs):
+    """AFTER hook on ``Scheduler.run_batch``: log, once, whether the first decode batch ran under
+    the overlap scheduler. A server can turn overlap off after this plugin lifted the CPU switch-off
+    (another argument, a release that moved the switch-off): its tests then still pass, under the
+    CPU's loop instead of the GPU's, unless this line is read (``ranks_not_under_overlap``)."""
+    global _decoded
+    if not _decoded and batch.forward_mode.is_decode():
+        _decoded = True
+        logger.info(DECODE_LINE + ("on" if scheduler.enable_overlap else "off"))
+    return result
+
+
 def overlap_env(env: dict) -> dict:
     """``env`` (a CPU server's, from ``cpu_env``) with this plugin loaded too. Its ``site/`` must be
     on ``PYTHONPATH``: the test suite puts it there for every process (``tests/conftest.py``), so
@@ -89,6 +105,21 @@ def overlap_env(env: dict) -> dict:
 
 
 def relayed_ranks(log: str) -> set[int]:
-    """The TP ranks of a server log whose scheduler read draft inputs back from the future map
-    (rank 0 for a TP=1 server, whose lines carry no rank)."""
-    return {int(rank or 0) for rank in re.findall(rf"(?: TP(\d+))?\] {re.escape(RELAY_LINE)}", log)}
+    """The TP ranks of a server log whose scheduler read draft inputs back from the future map."""
+    return set(_lines_by_rank(log, re.escape(RELAY_LINE)))
+
+
+def ranks_not_under_overlap(log: str, speculative: bool) -> list[int]:
+    """The TP ranks of a server log that decoded, but not as a GPU does: with the overlap scheduler
+    off or, on a speculative server, without reading draft inputs back from the future map. A rank
+    that never decoded (a server refused at start-up, or sent no request) is none of them."""
+    relayed = relayed_ranks(log)
+    decoded = _lines_by_rank(log, re.escape(DECODE_LINE) + "(?P<overlap>on|off)")
+    return sorted(rank for rank, line in decoded.items()
+                  if line["overlap"] == "off" or (speculative and rank not in relayed))  # fmt: skip
+
+
+def _lines_by_rank(log: str, line: str) -> dict[int, re.Match]:
+    """Each TP rank's line matching the regex ``line`` in a server log (rank 0 for a TP=1 server,
+    whose lines carry no rank)."""
+    return {int(m["rank"] or 0): m for m in re.finditer(rf"(?: TP(?P<rank>\d+))?\] {line}", log)}
