@@ -163,6 +163,22 @@ def test_the_source_check_names_each_kind_of_change(tmp_path, change):
     assert any(expected in problem for problem in found), found
 
 
+def test_an_older_release_takes_its_form_of_a_seam(tmp_path):
+    """The source as SGLang 0.5.21 has it (no fused softcap in the logits copy): the contract holds
+    and the softcap seam takes its older form, the others stay as installed."""
+    old = "        use_buffer: bool = True,\n        softcap: Optional[float] = None,\n"
+    wheel = _release_wheel(
+        tmp_path / "r.whl", "sglang/srt/layers/logits_processor.py", old, "        use_buffer: bool = True,\n"
+    )
+    forms, unmatched = contract.choose_forms(SourceSGLang(wheel, "0.5.21-like"))
+    assert unmatched == [] and contract.contract_problems(SourceSGLang(wheel, "0.5.21-like")) == []
+    installed = contract.choose_forms(SourceSGLang(SITE, INSTALLED))[0]
+    assert forms["softcap"].name == "after_copy" != installed["softcap"].name
+    assert {k: f.name for k, f in forms.items() if k != "softcap"} == {
+        k: f.name for k, f in installed.items() if k != "softcap"
+    }
+
+
 LIVE_SCRIPT = """
 import json, logging, sys
 logging.basicConfig(level=logging.ERROR, stream=sys.stdout, format="LOG %(name)s: %(message)s",
