@@ -4,9 +4,10 @@ Documents: the standard library's (``sglang_frspec.demo.texts.stdlib_documents``
 packages' files (code: ``.py``; prose: ``.md``, ``.rst`` and package descriptions), read in the
 order of a hash of their path up to a character budget. Not read: vendored copies, license texts
 and this project's own package description (it embeds README.md's demo prompt and its greedy
-continuation). All of them are split together by ``split_documents``: the side by a hash of the
-normalized content (the same on every Python and package set), exact duplicates once, and no
-held-out line of 30+ characters left in any training text, whatever its source.
+continuation). All of them are split together by ``split_documents`` on the shipped draft's sides:
+the side by the document's identity (its path without versions: the same on every Python and
+package set), exact duplicates once, near-copies of held-out text dropped from training, and no
+held-out line of 30+ characters or run of 8 words left in any training text, whatever its source.
 """
 
 from __future__ import annotations
@@ -18,18 +19,26 @@ import re
 import sysconfig
 from pathlib import Path
 
-from sglang_frspec.demo.texts import Document, by_domain, content_hash, split_documents, stdlib_documents
+from sglang_frspec.demo.texts import (
+    Document,
+    by_domain,
+    content_hash,
+    shipped_draft_sides,
+    split_documents,
+    stdlib_documents,
+)
 
 MAX_FILE_CHARS = 200_000  # longer package files are mostly generated tables
 CODE_CHARS, PROSE_CHARS = 16_000_000, 4_000_000  # package text read per domain
 PROSE_SUFFIXES = (".md", ".rst", "METADATA")
 LICENSE = re.compile(r"^(licen[cs]e|copying|notice|authors)", re.IGNORECASE)
+VENDORED = ("3rdparty", "third_party")  # folders of other projects' copies
 OWN_PACKAGE = "sglang_frspec"  # this project's dist-info and editable finder
 
 
 def unread_because(relative: Path) -> str | None:
     """Why a package file is not read (``vendored``, ``license``, ``this project``), or None."""
-    if any("_vendor" in part or "vendored" in part for part in relative.parts):
+    if any("_vendor" in part or "vendored" in part or part in VENDORED for part in relative.parts):
         return "vendored"
     if LICENSE.match(relative.name) or "licenses" in relative.parts:
         return "license"
@@ -97,5 +106,5 @@ def manifest(read: list[Document], train: list[Document], held: list[Document]) 
 def gemma3_corpus() -> tuple[dict[str, tuple[list[str], list[str]]], dict]:
     """The draft's domains (training, held-out texts each) and their manifest."""
     read = gemma3_documents()
-    train, held = split_documents(read)
+    train, held = split_documents(read, shipped_draft_sides())
     return split_by_domain(train, held), manifest(read, train, held)
