@@ -127,6 +127,15 @@ def main() -> None:
     )
     args = p.parse_args()
     later = [json.loads(path.read_text()) for path in args.held_out_of]
+    recorded = json.loads((args.draft / "training.json").read_text())
+    digest = recorded.get("manifest", {}).get("held_out_digest")
+    if digest and digest not in {m["held_out_digest"] for m in later}:
+        raise SystemExit(
+            f"{args.draft} trained on a corpus that held out the set of digest {digest[:12]} (its "
+            "training.json), not the old split these sets are drawn from: its held-out figures on them "
+            "would score text it trained on. Pass --held-out-of the manifest of its training run "
+            "(docs/results/gemma3-draft-r3-manifest.json for the shipped draft)."
+        )
     if args.work is None:
         args.work = cache_root() / "-".join(["gemma3-draft-measure", *(m["held_out_digest"] for m in later)])
     torch.set_num_threads(args.threads)
@@ -159,7 +168,7 @@ def main() -> None:
     run.generate(batch=args.gen_batch)
     run.features(topk=16)
     report = run.score(warm_start(args.draft), CHAIN_STEPS)
-    domains = json.loads((args.draft / "training.json").read_text())["data"]["domains"]
+    domains = recorded["data"]["domains"]
     manifest_copy = args.out.with_name(f"{args.out.stem}-manifest.json")
     shutil.copyfile(args.work / "manifest.json", manifest_copy)
     report["held_out_sets"] = {
@@ -174,7 +183,7 @@ def main() -> None:
         "documents": {d: sum(doc.domain == d for doc in measured) for d in ("code", "prose")},
         "manifest": manifest_copy.name,
     }
-    if all("train_files" in counts for counts in domains.values()):  # a draft of the old split
+    if not digest:  # a draft of the old split: its training.json recorded that split's counts
         report["held_out_sets"]["old_split_counts_recorded"] = {d: domains[d]["train_files"] for d in domains}
     report["draft"] = str(args.draft.relative_to(REPO) if args.draft.is_relative_to(REPO) else args.draft)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -28,13 +28,15 @@ Stages (``tools/draft_training/run.py`` holds the model-independent parts):
 - ``train``: AdamW over the draft, checkpointed every ``--save-every`` steps (resumes).
 - ``evaluate``: held-out first-step top-1 agreement and offline chain accept lengths per domain,
   against the float32 target, with 95% intervals; writes the package folder (bf16 safetensors,
-  config, ``training.json`` with the manifest's Python and held-out digest; the whole manifest
+  config, ``training.json`` with the manifest's Python and held-out digest and the weights'
+  sha256; the whole manifest
   stays in ``--work``: commit it under ``docs/results/`` with the draft).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -176,6 +178,10 @@ def main() -> None:
         save_eagle_draft(args.out, run.trained_draft(), cfg, shape)
         manifest = json.loads((args.work / "manifest.json").read_text())
         report["manifest"] = {k: manifest[k] for k in ("python", "documents_read", "held_out_digest")}
+        report["weights_sha256"] = {
+            name: hashlib.sha256((args.out / name).read_bytes()).hexdigest()
+            for name in ("model.safetensors", "config.json")
+        }
         (args.out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
         run.log(f"wrote {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out.name}")
 
