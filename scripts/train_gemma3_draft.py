@@ -39,6 +39,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -140,7 +141,8 @@ def main() -> None:
     )
     stages = [args.stage] if args.stage else STAGES
     if "corpus" in stages:
-        domains, manifest = gemma3_corpus()
+        domains, manifest, sides = gemma3_corpus()
+        (args.work / "sides.json").write_text(json.dumps(sides, indent=0) + "\n")
         run.corpus(
             domains,
             seq=args.seq,
@@ -183,6 +185,8 @@ def main() -> None:
             for name in ("model.safetensors", "config.json")
         }
         (args.out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
+        # what later held-out sets keep out of reach (sglang_frspec.demo.texts.shipped_draft_sides)
+        shutil.copyfile(args.work / "sides.json", args.out / "sides.json")
         run.log(f"wrote {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out.name}")
 
 

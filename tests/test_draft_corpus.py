@@ -15,6 +15,7 @@ from pathlib import Path
 
 from sglang_frspec.demo.texts import (
     Document,
+    DraftSides,
     content_hash,
     document_identity,
     held_out,
@@ -44,7 +45,7 @@ def test_no_held_out_line_reaches_training_through_any_source():
     run of 8 words in any training text of either domain, and both domains hold text out."""
     from tools.draft_training.corpus import gemma3_corpus
 
-    domains, manifest = gemma3_corpus()
+    domains, manifest, sides_record = gemma3_corpus()
     train = [t for texts, _ in domains.values() for t in texts]
     held = [t for _, texts in domains.values() for t in texts]
     assert all(held_texts for _, held_texts in domains.values())
@@ -55,6 +56,11 @@ def test_no_held_out_line_reaches_training_through_any_source():
     assert not [n for n in names if re.search(r"_vendor|vendored|sglang_frspec|/3rdparty/|/third_party/", n)]
     assert not shared_runs(train, held)
     assert not [n for n in names if re.match(r"licen[cs]e", n.rsplit("/", 1)[-1], re.IGNORECASE)]
+    # the sides record a draft trained on this corpus would ship: none of its training documents,
+    # as used here, would be held out by it
+    recorded = DraftSides.from_record(sides_record)
+    trained_docs = [Document(f["name"], f["domain"], "") for f in manifest["files"] if f["side"] == "train"]
+    assert not [d.name for d in trained_docs if recorded.holds_out(d)]
 
 
 def test_the_demo_split_keeps_nested_topics_apart():

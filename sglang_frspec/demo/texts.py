@@ -52,6 +52,12 @@ class DraftSides:
     hashes: frozenset[str] = frozenset()
     prefix: int = 16
 
+    @classmethod
+    def from_record(cls, record: dict) -> DraftSides:
+        """From a ``sides.json`` record (``tools/draft_training/corpus.py`` draft_sides_record)."""
+        keys = ("trained", "held_out", "trained_sha256_prefixes")
+        return cls(*(frozenset(record[k]) for k in keys), record["prefix"])
+
     def holds_out(self, doc: Document) -> bool:
         """Never what the draft trained on (its identity or its content); then the draft's side
         of the identity; a new identity by ``held_out``."""
@@ -151,10 +157,7 @@ def split_documents(
 @functools.cache
 def shipped_draft_sides() -> DraftSides:
     """The shipped Gemma 3 draft's sides (``gemma3_draft/sides.json``)."""
-    record = json.loads(SHIPPED_SIDES.read_text())
-    return DraftSides(
-        *(frozenset(record[k]) for k in ("trained", "held_out", "trained_sha256_prefixes")), record["prefix"]
-    )
+    return DraftSides.from_record(json.loads(SHIPPED_SIDES.read_text()))
 
 
 def stdlib_documents() -> list[Document]:

@@ -23,6 +23,7 @@ from sglang_frspec.demo.texts import (
     Document,
     by_domain,
     content_hash,
+    document_identity,
     shipped_draft_sides,
     split_documents,
     stdlib_documents,
@@ -103,8 +104,31 @@ def manifest(read: list[Document], train: list[Document], held: list[Document]) 
     }
 
 
-def gemma3_corpus() -> tuple[dict[str, tuple[list[str], list[str]]], dict]:
-    """The draft's domains (training, held-out texts each) and their manifest."""
+def draft_sides_record(manifest: dict, read: list[Document], prefix: int = 16) -> dict:
+    """A draft's ``sides.json`` (``sglang_frspec.demo.texts.DraftSides``) from its corpus manifest
+    and the documents as read: the identities it trained on and held out, and content-hash
+    prefixes of its training texts as used and as read (a later Python's copy of a trained
+    module then stays out of held-out sets)."""
+    train = [f for f in manifest["files"] if f["side"] == "train"]
+    trained = {document_identity(f["name"]) for f in train}
+    held = {document_identity(f["name"]) for f in manifest["files"] if f["side"] == "held_out"} - trained
+    originals = {d.name: d.text for d in reversed(read)}  # the first copy read of each name
+    hashes = {f["sha256"][:prefix] for f in train}
+    hashes |= {content_hash(originals[f["name"]])[:prefix] for f in train if f["name"] in originals}
+    return {
+        "about": f"A draft's corpus (Python {manifest['python']}) by sglang_frspec.demo.texts."
+        "document_identity: the identities it trained on and held out, and content_hash prefixes"
+        " of its training texts as read and as used (tools/draft_training/corpus.py draft_sides_record).",
+        "prefix": prefix,
+        "trained": sorted(trained),
+        "held_out": sorted(held),
+        "trained_sha256_prefixes": sorted(hashes),
+    }
+
+
+def gemma3_corpus() -> tuple[dict[str, tuple[list[str], list[str]]], dict, dict]:
+    """The draft's domains (training, held-out texts each), their manifest and its sides record."""
     read = gemma3_documents()
     train, held = split_documents(read, shipped_draft_sides())
-    return split_by_domain(train, held), manifest(read, train, held)
+    record = manifest(read, train, held)
+    return split_by_domain(train, held), record, draft_sides_record(record, read)
