@@ -8,8 +8,8 @@ Variants, all on SGLang's own process groups and classes:
   (c) tp1      the TP=1 FR-Spec head, h @ W[hot].T on one rank (no collective).
 
 Run on one machine (the script starts its own ranks with torch.distributed.run):
-    python benchmarks/bench_draft_head.py --tp 2                       # CPU, gloo
-    python benchmarks/bench_draft_head.py --tp 8 --device cuda         # one node, NCCL
+    python -m benchmarks.bench_draft_head --tp 2                       # CPU, gloo
+    python -m benchmarks.bench_draft_head --tp 8 --device cuda         # one node, NCCL
 or under torchrun on many GPUs:
     torchrun --nproc-per-node 8 benchmarks/bench_draft_head.py --device cuda
 
@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_head_args, head_dtype, hot_map, rotated, shown_paths, summarize  # noqa: E402
+from benchmarks.common import add_head_args, head_dtype, hot_map, rotated, shown_paths, summarize
 
 STOCK, TP1 = "(a) stock full vocab", "(c) tp1 fr-spec head"
 
