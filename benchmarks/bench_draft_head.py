@@ -11,7 +11,7 @@ Run on one machine (the script starts its own ranks with torch.distributed.run):
     python -m benchmarks.bench_draft_head --tp 2                       # CPU, gloo
     python -m benchmarks.bench_draft_head --tp 8 --device cuda         # one node, NCCL
 or under torchrun on many GPUs:
-    torchrun --nproc-per-node 8 benchmarks/bench_draft_head.py --device cuda
+    torchrun --nproc-per-node 8 --module benchmarks.bench_draft_head --device cuda
 
 Repeats are interleaved across variants; each step's time is the slowest rank's. Prints a table
 (median, interquartile range, speed-up vs (a), bytes gathered per step, columns per rank).
@@ -61,7 +61,8 @@ def relaunch(args: argparse.Namespace) -> int:
         "torch.distributed.run",
         f"--nproc-per-node={args.tp}",
         f"--master-port={free_port()}",
-        __file__,
+        "--module",  # each rank runs ``python -m benchmarks.bench_draft_head`` from the repository root
+        "benchmarks.bench_draft_head",
         *sys.argv[1:],
     ]
     return subprocess.call(cmd, env=env)
