@@ -8,10 +8,10 @@ Variants, all on SGLang's own process groups and classes:
   (c) tp1      the TP=1 FR-Spec head, h @ W[hot].T on one rank (no collective).
 
 Run on one machine (the script starts its own ranks with torch.distributed.run):
-    python benchmarks/bench_draft_head.py --tp 2                       # CPU, gloo
-    python benchmarks/bench_draft_head.py --tp 8 --device cuda         # one node, NCCL
+    python -m benchmarks.bench_draft_head --tp 2                       # CPU, gloo
+    python -m benchmarks.bench_draft_head --tp 8 --device cuda         # one node, NCCL
 or under torchrun on many GPUs:
-    torchrun --nproc-per-node 8 benchmarks/bench_draft_head.py --device cuda
+    torchrun --nproc-per-node 8 --module benchmarks.bench_draft_head --device cuda
 
 Repeats are interleaved across variants; each step's time is the slowest rank's. Prints a table
 (median, interquartile range, speed-up vs (a), bytes gathered per step, columns per rank).
@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_head_args, head_dtype, hot_map, rotated, shown_paths, summarize  # noqa: E402
+from benchmarks.common import add_head_args, head_dtype, hot_map, rotated, shown_paths, summarize
 
 STOCK, TP1 = "(a) stock full vocab", "(c) tp1 fr-spec head"
 
@@ -62,7 +61,8 @@ def relaunch(args: argparse.Namespace) -> int:
         "torch.distributed.run",
         f"--nproc-per-node={args.tp}",
         f"--master-port={free_port()}",
-        __file__,
+        "--module",  # each rank runs ``python -m benchmarks.bench_draft_head`` from the repository root
+        "benchmarks.bench_draft_head",
         *sys.argv[1:],
     ]
     return subprocess.call(cmd, env=env)

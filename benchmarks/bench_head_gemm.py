@@ -25,8 +25,8 @@ bandwidth. Weights are cycled through enough copies that the working set exceeds
 cache. On CUDA each repeat replays a CUDA graph of ``--iters`` steps (as SGLang's draft graphs
 do), timed with events.
 
-    python benchmarks/bench_head_gemm.py --device cuda --json gemm.json   # one GPU
-    python benchmarks/bench_head_gemm.py                                   # CPU, fp32
+    python -m benchmarks.bench_head_gemm --device cuda --json gemm.json   # one GPU
+    python -m benchmarks.bench_head_gemm                                   # CPU, fp32
 """
 
 from __future__ import annotations
@@ -40,11 +40,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from common import add_head_args, head_dtype, hot_map, rotated, shown_paths, summarize  # noqa: E402
-
-from sglang_frspec.core import HotLogitsExchange, plan_hot_shards, vocab_shard_ranges  # noqa: E402
+from benchmarks.common import add_head_args, head_dtype, hot_map, rotated, shown_paths, summarize
+from sglang_frspec.core import HotLogitsExchange, plan_hot_shards, vocab_shard_ranges
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,22 +1,25 @@
 """Real SGLang servers side by side: stock EAGLE without a map vs EAGLE + map with this plugin.
 
 Every configuration runs as its own server at the same TP; all are started first, then timed
-batches are interleaved across them (round-robin, so machine noise hits every configuration
-alike). Servers not being measured are suspended (SIGSTOP): idle SGLang schedulers poll.
+batches run in interleaved rounds (``sglang_frspec.demo.timing``: each round every configuration
+in turn, plain decoding, else stock EAGLE, first and once more at the end), so machine noise hits
+every configuration alike. Servers not being measured are suspended (SIGSTOP): idle SGLang
+schedulers poll. A ratio to plain (or stock) is refused when that system's own runs differ by more
+than ``--max-drift`` (default 10%): the machine's speed then moved more than the ratio could show.
 Reports tokens/s (median and spread), accept length, and wall time per speculative step
 (draft steps + verify; the step count is SGLang's ``sglang:spec_verify_calls_total`` metric).
 
 CPU (default): a permutation fixture with a Llama-3-size vocab (128256) whose hidden size
 (``--hidden``, default 1024) makes the LM head dominate the draft step as it does in real
 models; every draft token is acceptable, so accept length is the same for every configuration.
-    python benchmarks/bench_server.py
+    python -m benchmarks.bench_server
 Coverage overhead (``--coverage-off``): every plugin configuration also runs with
 SGLANG_FRSPEC_COVERAGE=0, and the tokens/s of coverage on over off is reported as the median of
 the per-round ratios with its 95% interval (docs/results/coverage-overhead-cpu.txt):
-    python benchmarks/bench_server.py --hidden 128 --configs balanced/full --coverage-off --rounds 30 \
+    python -m benchmarks.bench_server --hidden 128 --configs balanced/full --coverage-off --rounds 30 \
         --requests 8 --max-new-tokens 96
 GPU:
-    python benchmarks/bench_server.py --device cuda --tp 8 --model-path M \\
+    python -m benchmarks.bench_server --device cuda --tp 8 --model-path M \\
         --draft-model-path D --token-map freq_32768.pt
 ``--plain`` adds plain decoding (no speculation) beside them. ``--profile`` (CPU) also times every
 phase of the schedulers' decode cycles (``cycle_profile.py``: rank 0's verify forward, each draft
@@ -26,7 +29,7 @@ measured one. ``--fixture gemma3`` serves Gemma 3 270M with its shipped draft an
 training text (``--gemma3-map``) on its held-out prose prompts; ``--sequential`` runs one server at
 a time (a TP=2 Gemma 3 server holds about 7.5 GB), so its ratios compare runs at different times.
 Gemma 3's cycle, TP=2:
-    python benchmarks/bench_server.py --fixture gemma3 --plain --profile --sequential \\
+    python -m benchmarks.bench_server --fixture gemma3 --plain --profile --sequential \\
         --configs balanced/full --steps 3 --topk 1 --draft-tokens 4 --requests 1 \\
         --max-new-tokens 32 --rounds 3 --json docs/results/cycle-profile-gemma3-cpu.json
 """
@@ -39,18 +42,22 @@ import os
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tools.serving (CPU)
-import cycle_profile  # noqa: E402
-from common import median_interval, shown_path, shown_paths, summarize  # noqa: E402
-
-from sglang_frspec.demo import gemma3  # noqa: E402
-from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
-from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture  # noqa: E402
-from sglang_frspec.demo.server import SGLangServer, new_python  # noqa: E402
+from benchmarks import cycle_profile
+from benchmarks.common import median_interval, shown_path, shown_paths, summarize
+from sglang_frspec.demo import gemma3
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
+from sglang_frspec.demo.fixtures import LLAMA3_VOCAB, perm_fixture
+from sglang_frspec.demo.server import SGLangServer, new_python
+from sglang_frspec.demo.timing import (
+    MAX_REFERENCE_DRIFT,
+    drift,
+    interleaved_rounds,
+    ratio_refusal,
+    timed_batch,
+    warm_up,
+)
 
 STOCK = "stock EAGLE, no map"
 PLAIN = "plain decoding"
@@ -87,7 +94,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sequential", action="store_true", help="one server at a time (memory)")
     p.add_argument("--requests", type=int, default=4, help="concurrent requests per batch")
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--rounds", type=int, default=5, help="interleaved timed batches per config")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="interleaved rounds: each config once a round; plain (else stock) also last",
+    )
+    p.add_argument("--max-drift", type=float, default=MAX_REFERENCE_DRIFT,
+                   help="refuse a ratio to plain (or stock) when its runs' tokens/s differ by more than this "
+                   f"share (default {MAX_REFERENCE_DRIFT})")  # fmt: skip
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--draft-tokens", type=int, default=4)
@@ -117,24 +132,17 @@ def scrape(server: SGLangServer) -> dict[str, float]:
     return totals
 
 
-def timed_batch(server: SGLangServer, prompts: list, max_new_tokens: int) -> dict:
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-    key = "input_ids" if isinstance(prompts[0], list) else "text"
+def metered_batch(server: SGLangServer, prompts: list, max_new_tokens: int) -> dict:
+    """``timed_batch`` with its time per speculative step, from the server's metrics around it."""
     before = scrape(server)
-    start = time.perf_counter()
-    outs = server.post("/generate", {key: prompts, "sampling_params": params})
-    seconds = time.perf_counter() - start
+    sample = timed_batch(server, prompts, max_new_tokens)
     after = scrape(server)
-    delta = {k: after[k] - before.get(k, 0.0) for k in after}
-    verify_calls = delta.get("sglang:spec_verify_calls_total", 0.0)
-    accept = [o["meta_info"].get("spec_accept_length") or 1.0 for o in outs]  # plain: 1 per step
-    return {
-        "outputs": [o["output_ids"] for o in outs],
-        "tokens_per_s": sum(len(o["output_ids"]) for o in outs) / seconds,
-        "accept_length": sum(accept) / len(accept),
-        # One speculative step = draft steps + draft extend + verify, for the whole batch.
-        "step_ms": 1e3 * seconds / verify_calls if verify_calls else None,
-    }
+    calls = "sglang:spec_verify_calls_total"
+    verify_calls = after.get(calls, 0.0) - before.get(calls, 0.0)
+    # One speculative step = draft steps + draft extend + verify, for the whole batch.
+    sample["step_ms"] = 1e3 * sample["seconds"] / verify_calls if verify_calls else None
+    sample["accept_length"] = sample["accept_length"] or 1.0  # plain decoding: one token a step
+    return sample
 
 
 def start_server(name: str, i: int, config: tuple, args, base: list, prompts: list, log_dir: Path, launch):
@@ -150,7 +158,7 @@ def start_server(name: str, i: int, config: tuple, args, base: list, prompts: li
         log = cycle_profile.CycleLog(log_dir / f"profile{i}")
     print(f"starting {name} ...", flush=True)
     server = SGLangServer(base + extra, env, log_dir / f"server{i}.log", launch=launch).start().wait_ready()
-    timed_batch(server, prompts, args.max_new_tokens)  # warm-up
+    warm_up(server, prompts, sizes=(len(prompts),))
     server.suspend()  # only the server being measured may run
     if log is not None:
         log.read_new()  # the warm-up's cycles are not kept
@@ -158,15 +166,19 @@ def start_server(name: str, i: int, config: tuple, args, base: list, prompts: li
 
 
 def measure(servers: dict, logs: dict, samples: dict, cycles: dict, prompts: list, args) -> None:
-    """Interleaved timed batches over the (suspended) ``servers``; their cycle records if profiled."""
-    names = list(servers)
-    for round_ in range(args.rounds):
-        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            servers[name].resume()
-            samples[name].append(timed_batch(servers[name], prompts, args.max_new_tokens))
-            servers[name].suspend()
-            if logs[name] is not None:
-                cycles[name] += logs[name].read_new()
+    """Interleaved rounds over the (suspended) ``servers``, the first one also last
+    (``round_order``); their cycle records if profiled."""
+
+    def run(name: str) -> dict:
+        servers[name].resume()
+        sample = metered_batch(servers[name], prompts, args.max_new_tokens)
+        servers[name].suspend()
+        if logs[name] is not None:
+            cycles[name] += logs[name].read_new()
+        return sample
+
+    for name, runs in interleaved_rounds(run, list(servers), args.rounds).items():
+        samples[name] += runs
 
 
 def print_profile(results: list[dict], plain: bool) -> None:
@@ -201,9 +213,10 @@ def print_profile(results: list[dict], plain: bool) -> None:
             )
             r["gpu_prediction"] = g
             gpu = f"{g['ratio_with_rest']:.2f}x / {g['ratio_forwards_only']:.2f}x"
+        measured = "-" if r["vs_plain"] is None else f"{r['vs_plain']:.2f}x"
         print(
             f"{r['config']:<42} {accept:>6.2f} {summary['cycle_ms']:>9.2f} {r['predicted_vs_plain']:>8.2f}x "
-            f"{r['vs_plain']:>8.2f}x {gpu:>15}"
+            f"{measured:>9} {gpu:>15}"
         )
 
 
@@ -275,9 +288,11 @@ def main(argv=None) -> int:
         for server in servers.values():
             server.stop()
     reference = samples[STOCK][0]["outputs"]
+    bases = {"stock": STOCK, "plain": PLAIN} if args.plain else {"stock": STOCK}
+    base_tps = {key: [s["tokens_per_s"] for s in samples[name]] for key, name in bases.items()}
+    # A ratio to a system whose own runs drifted apart by more than --max-drift is not printed.
+    refusals = {key: ratio_refusal(tps, args.max_drift) for key, tps in base_tps.items()}
     results = []
-    stock_tps = summarize([s["tokens_per_s"] for s in samples[STOCK]])["median"]
-    plain_tps = summarize([s["tokens_per_s"] for s in samples[PLAIN]])["median"] if args.plain else None
     for name, runs in samples.items():
         tps = summarize([s["tokens_per_s"] for s in runs])
         steps = [s["step_ms"] for s in runs if s["step_ms"] is not None]
@@ -287,14 +302,15 @@ def main(argv=None) -> int:
                 "tokens_per_s": tps["median"],
                 "tps_p25": tps["p25"],
                 "tps_p75": tps["p75"],
-                "speedup_vs_stock": tps["median"] / stock_tps,
+                "drift": drift([s["tokens_per_s"] for s in runs]),
                 "accept_length": summarize([s["accept_length"] for s in runs])["median"],
                 "step_ms": summarize(steps)["median"] if steps else None,
                 "outputs_equal_stock": all(s["outputs"] == reference for s in runs),
             }
         )
-        if args.plain:
-            results[-1]["vs_plain"] = tps["median"] / plain_tps
+        for key, base in base_tps.items():
+            ratio = None if refusals[key] else tps["median"] / summarize(base)["median"]
+            results[-1]["speedup_vs_stock" if key == "stock" else "vs_plain"] = ratio
         if args.profile:
             ranks = sorted({c["rank"] for c in cycles[name]})
             results[-1]["profile"] = {
@@ -312,24 +328,33 @@ def main(argv=None) -> int:
         model = f"Gemma 3 270M (V={gemma3.VOCAB}, float32), map {shown_path(args.token_map)}"
     elif fixture is not None:
         model = f"permutation fixture (V={LLAMA3_VOCAB}, hidden {args.hidden}, H={args.hot})"
+    first = next(iter(samples))
+    order = "rounds, one server at a time" if args.sequential else f"interleaved rounds, {first} also last"
     print(
         f"\nservers: tp={args.tp} device={args.device} model={model}; EAGLE steps={args.steps} "
         f"topk={args.topk} draft tokens={args.draft_tokens}; {args.requests} concurrent requests x "
-        f"{args.max_new_tokens} tokens, {args.rounds} "
-        f"{'rounds, one server at a time' if args.sequential else 'interleaved rounds'}; "
-        f"logs {shown_path(log_dir)}"
+        f"{args.max_new_tokens} tokens, {args.rounds} {order}; logs {shown_path(log_dir)}"
     )
+    plain_column = f" {'vs plain':>8}" if args.plain else ""
     print(
-        f"{'config':<42} {'tokens/s':>9} {'p25-p75':>13} {'vs stock':>8} {'accept':>6} {'ms/step':>8} "
-        f"{'same out':>8}"
+        f"{'config':<42} {'tokens/s':>9} {'p25-p75':>13} {'drift':>6} {'vs stock':>8}{plain_column} "
+        f"{'accept':>6} {'ms/step':>8} {'same out':>8}"
     )
+
+    def shown_ratio(ratio: float | None) -> str:
+        return "-" if ratio is None else f"{ratio:.2f}x"
+
     for r in results:
         step = f"{r['step_ms']:.1f}" if r["step_ms"] is not None else "-"
+        plain = f" {shown_ratio(r['vs_plain']):>8}" if args.plain else ""
         print(
             f"{r['config']:<42} {r['tokens_per_s']:>9.1f} {r['tps_p25']:>6.1f}-{r['tps_p75']:<6.1f} "
-            f"{r['speedup_vs_stock']:>7.2f}x {r['accept_length']:>6.2f} {step:>8} "
-            f"{'yes' if r['outputs_equal_stock'] else 'NO':>8}"
+            f"{r['drift']:>6.0%} {shown_ratio(r['speedup_vs_stock']):>8}{plain} {r['accept_length']:>6.2f} "
+            f"{step:>8} {'yes' if r['outputs_equal_stock'] else 'NO':>8}"
         )
+    for key, reason in refusals.items():
+        if reason:
+            print(f"no ratio to {bases[key]}: {reason}")
     for r in results:
         if "coverage_on_over_off" in r:
             print(

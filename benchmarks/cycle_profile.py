@@ -16,14 +16,13 @@ extend over the accepted tokens what one draft step costs.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-PROFILE_SITE = Path(__file__).resolve().parent / "profile_site"
-sys.path.insert(0, str(PROFILE_SITE))
-from frspec_profile import DIR_ENV, SEP  # noqa: E402  (the plugin's names; it imports no SGLang here)
+# The plugin's names (the module imports no SGLang at its top); its folder goes on the servers' path.
+from benchmarks.profile_site.frspec_profile import DIR_ENV, SEP
+from sglang_frspec.demo.cpu import pythonpath_with
 
-from sglang_frspec.demo.cpu import pythonpath_with  # noqa: E402
+PROFILE_SITE = Path(__file__).resolve().parent / "profile_site"
 
 PLUGIN = "frspec_profile"  # its entry point (profile_site/frspec_profile-0.1.0.dist-info)
 DECODE = "DECODE"  # the scheduler's forward mode of a decode cycle, plain or speculative

@@ -17,7 +17,7 @@ the scores with 95% intervals over documents to ``--out``, the sets' manifest be
 drafts of both splits are scored side by side on text neither trained on (``--draft``: each in
 turn; the sets are drawn once per work folder, which defaults to one per set of manifests).
 
-Run from the repository root: ``PYTHONPATH=. .venv/bin/python scripts/measure_shipped_gemma3_draft.py``
+Run from the repository root: ``.venv/bin/python -m scripts.measure_shipped_gemma3_draft``
 (resumes from ``--work``).
 """
 
@@ -28,32 +28,30 @@ import hashlib
 import json
 import pydoc_data.topics
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from sglang_frspec.demo.fixtures import cache_root  # noqa: E402
-from sglang_frspec.demo.gemma3 import gemma3_fixture  # noqa: E402
-from sglang_frspec.demo.texts import (  # noqa: E402
+from sglang_frspec.demo.fixtures import cache_root
+from sglang_frspec.demo.gemma3 import gemma3_fixture
+from sglang_frspec.demo.texts import (
     Document,
     long_lines,
     normalized_line,
     split_documents,
     stdlib_documents,
 )
-from tools.draft_training.corpus import (  # noqa: E402
+from tools.draft_training.corpus import (
     MAX_FILE_CHARS,
     PROSE_SUFFIXES,
     gemma3_documents,
     manifest,
     split_by_domain,
 )
-from tools.draft_training.model import LayerShape  # noqa: E402
-from tools.draft_training.run import DraftRun, stderr_log, warm_start  # noqa: E402
+from tools.draft_training.model import LayerShape
+from tools.draft_training.run import DraftRun, stderr_log, warm_start
+
+REPO = Path(__file__).resolve().parents[1]
 
 SHIPPED = REPO / "sglang_frspec" / "demo" / "gemma3_draft"
 HOT = 32768

@@ -1,6 +1,6 @@
 """Train the shipped EAGLE draft for Gemma 3 270M on CPU (``sglang_frspec/demo/gemma3_draft/``).
 
-Run from the repository root: ``PYTHONPATH=. .venv/bin/python scripts/train_gemma3_draft.py`` runs
+Run from the repository root: ``.venv/bin/python -m scripts.train_gemma3_draft`` runs
 every stage; each stage resumes from what an earlier run left under ``--work`` (shards, the training
 checkpoint), so a run stopped anywhere goes on where it stopped when started again with the same
 arguments. ``--stage`` runs one stage; ``--serve`` measures the served accept lengths of ``--out``.
@@ -47,14 +47,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from sglang_frspec.demo.fixtures import cache_root
+from sglang_frspec.demo.gemma3 import gemma3_fixture
+from tools.draft_training import run as draft_run
+from tools.draft_training.corpus import gemma3_corpus
+from tools.draft_training.model import LayerShape, save_eagle_draft
 
-from sglang_frspec.demo.fixtures import cache_root  # noqa: E402
-from sglang_frspec.demo.gemma3 import gemma3_fixture  # noqa: E402
-from tools.draft_training import run as draft_run  # noqa: E402
-from tools.draft_training.corpus import gemma3_corpus  # noqa: E402
-from tools.draft_training.model import LayerShape, save_eagle_draft  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 OUT = REPO / "sglang_frspec" / "demo" / "gemma3_draft"
 HOT = 32768  # the demo's map: the draft's loss is over these rows

@@ -2,31 +2,26 @@
 EAGLE (or NEXTN) + map + plugin decodes as greedy decoding of the target (tie-aware) and the
 plugin is active.
 
-The tiny random-weight checkpoints come from ``benchmarks/architectures.py``, the builders of the
-whole sweep (``benchmarks/sweep_architectures.py``, results in docs/results/architecture-sweep-cpu.txt).
+The tiny random-weight checkpoints come from ``tests/harness/architectures.py``, the builders of the
+whole sweep (``tests/harness/sweep_architectures.py``, results in docs/results/architecture-sweep-cpu.txt).
 The greedy reference is an HF transformers forward of the target, not a second SGLang server: half
 the servers, and an independent implementation. Its float32 logits differ from SGLang's by more than
 two SGLang runs differ, so a near-tie is judged with a wider margin (``HF_TIE_EPSILON``). The
-Qwen3.5 and Qwen3-Next hybrids come from ``benchmarks/qwen3_5_cpu.py``; their ModelOpt export serves
+Qwen3.5 and Qwen3-Next hybrids come from ``tests/harness/qwen3_5_cpu.py``; their ModelOpt export serves
 in bfloat16, far from HF's float32, so its reference is SGLang's plain greedy (a second server).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 from sglang_frspec.demo.cpu import eagle_args
 from sglang_frspec.demo.fixtures import ModelFixture
-from tests.test_servers_plugin import assert_plugin_active, num_hot
-from tools.serving.greedy import compare_greedy, reference_greedy
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
-from qwen3_5_cpu import SERVER_ENV as QWEN3_5_ENV  # noqa: E402
-from qwen3_5_cpu import (  # noqa: E402
+from tests.harness.architectures import ARCHITECTURES, architecture_fixture
+from tests.harness.qwen3_5_cpu import SERVER_ENV as QWEN3_5_ENV
+from tests.harness.qwen3_5_cpu import (
     modelopt_target,
     nextn_args,
     prefix_hit_prompts,
@@ -34,6 +29,8 @@ from qwen3_5_cpu import (  # noqa: E402
     qwen3_next_target,
     server_args,
 )
+from tests.test_servers_plugin import assert_plugin_active, num_hot
+from tools.serving.greedy import compare_greedy, reference_greedy
 
 pytestmark = pytest.mark.server
 NEW = 16
@@ -83,7 +80,7 @@ def decodes_as_greedy(name: str, start_server, topk: int) -> None:
 
 def test_qwen3_5_mtp_at_tp2_with_a_map_decodes_as_hf_greedy(start_server):
     """Qwen3.5 (gated-delta-net and gated-attention layers, vocab 4093, its own MTP layer as the
-    NEXTN draft; ``benchmarks/qwen3_5_cpu.py``) at TP=2 with a map and the plugin: the plugin's
+    NEXTN draft; ``tests/harness/qwen3_5_cpu.py``) at TP=2 with a map and the plugin: the plugin's
     line, HF's greedy tokens (tie-aware), the draft really ran (its post-verify state commits
     included). The radix cache is on in its ``no_buffer`` mode (the one a CPU can run): a second
     round whose prompts extend the first round's requests reuses each whole first request (every
@@ -93,7 +90,7 @@ def test_qwen3_5_mtp_at_tp2_with_a_map_decodes_as_hf_greedy(start_server):
 
 def test_qwen3_next_mtp_at_tp2_with_a_map_decodes_as_hf_greedy(start_server):
     """Qwen3-Next (gated-delta-net and gated-attention layers, every MLP a sparse MoE block with a
-    gated shared expert, vocab 4093, its own MTP layer as the NEXTN draft; ``benchmarks/qwen3_5_cpu.py
+    gated shared expert, vocab 4093, its own MTP layer as the NEXTN draft; ``tests/harness/qwen3_5_cpu.py
     --family qwen3_next``) at TP=2 with a map and the plugin, as Qwen3.5 above (radix cache off)."""
     _qwen3_mtp_decodes_as_hf_greedy(qwen3_next_target(), start_server, radix_cache=False)
 

@@ -1,11 +1,11 @@
 """The benchmark scripts run end to end in a smoke mode (tiny sizes); timings are not checked.
 
-Most run as users run them, ``python benchmarks/SCRIPT.py``. The four that start servers
-(bench_acceptance, validate_size_model, bench_adaptive, bench_server) run their ``main(argv)`` in
-this process instead: their servers' environment is the suite's, so they fork from the suite's
-zygote rather than a new Python's (about 25 s each of a fresh import and zygote start on 2
-cores); their command line is the same ``main`` behind ``if __name__ == "__main__"``, and
-``validate_size_model.py --report`` still runs as a script."""
+Most run as users run them, ``python -m benchmarks.NAME`` from the repository root. The four that
+start servers (bench_server and the studies bench_acceptance, validate_size_model, bench_adaptive)
+run their ``main(argv)`` in this process instead: their servers' environment is the suite's, so they
+fork from the suite's zygote rather than a new Python's (about 25 s each of a fresh import and zygote
+start on 2 cores); their command line is the same ``main`` behind ``if __name__ == "__main__"``, and
+``validate_size_model --report`` still runs as a module."""
 
 from __future__ import annotations
 
@@ -18,12 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import cycle_profile
+from benchmarks.common import local_path, median_interval, shown_path, shown_paths
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-sys.path.insert(0, str(BENCH))
-import cycle_profile  # noqa: E402
-from common import local_path, median_interval, shown_path, shown_paths  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -62,22 +60,23 @@ def test_results_show_paths_relative_to_the_repository_or_a_named_root(monkeypat
     }
 
 
-def run(script: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+def run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python -m module *args`` from the repository root, as a user runs a benchmark."""
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=BENCH.parent)  # fmt: skip
 
 
-def run_main(capsys, script: str, *args: str) -> subprocess.CompletedProcess:
-    """``script``'s ``main(args)`` in this process, seen as ``run`` sees a script's run."""
+def run_main(capsys, module: str, *args: str) -> subprocess.CompletedProcess:
+    """``module``'s ``main(args)`` in this process, seen as ``run`` sees a module's run."""
     capsys.readouterr()
-    status = importlib.import_module(script.removesuffix(".py")).main(list(args))
+    status = importlib.import_module(module).main(list(args))
     out = capsys.readouterr()
-    return subprocess.CompletedProcess([script, *args], status, out.out, out.err)
+    return subprocess.CompletedProcess([module, *args], status, out.out, out.err)
 
 
 @pytest.mark.multirank
 def test_bench_draft_head_smoke(tmp_path):
-    out = run("bench_draft_head.py", "--tp", "2", "--vocab", "5003", "--hot", "700", "--hidden", "64",
+    out = run("benchmarks.bench_draft_head", "--tp", "2", "--vocab", "5003", "--hot", "700", "--hidden", "64",
               "--rows", "1", "4", "--repeats", "2", "--iters", "1", "--json", str(tmp_path / "r.json"),
               "--plot", str(tmp_path / "r.png"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -146,8 +145,8 @@ def test_cycle_profile_averages_phases_and_predicts_tokens_per_s(tmp_path):
 @pytest.mark.server
 def test_bench_server_smoke(tmp_path, capsys):
     # --profile: the same servers also record every decode cycle phase by phase on each rank.
-    out = run_main(capsys, "bench_server.py", "--hidden", "128", "--requests", "2", "--max-new-tokens", "8",
-                   "--rounds", "1", "--configs", "balanced/topk", "--profile",
+    out = run_main(capsys, "benchmarks.bench_server", "--hidden", "128", "--requests", "2",
+                   "--max-new-tokens", "8", "--rounds", "1", "--configs", "balanced/topk", "--profile",
                    "--json", str(tmp_path / "s.json"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = json.loads((tmp_path / "s.json").read_text())["results"]
@@ -172,8 +171,8 @@ def test_bench_server_smoke(tmp_path, capsys):
 
 
 def test_bench_head_gemm_smoke(tmp_path):
-    out = run("bench_head_gemm.py", "--vocab", "5003", "--hot", "700", "--hidden", "64", "--rows", "1", "4",
-              "--tp", "1", "2", "--repeats", "2", "--iters", "2", "--working-set-mb", "4",
+    out = run("benchmarks.bench_head_gemm", "--vocab", "5003", "--hot", "700", "--hidden", "64", "--rows",
+              "1", "4", "--tp", "1", "2", "--repeats", "2", "--iters", "2", "--working-set-mb", "4",
               "--json", str(tmp_path / "g.json"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = json.loads((tmp_path / "g.json").read_text())["results"]
@@ -189,7 +188,7 @@ def test_bench_head_gemm_smoke(tmp_path):
 def test_bench_acceptance_one_spec_keeps_its_names_and_args():
     """Without --spec (or with one) config names carry no spec and the JSON's args say the spec
     (validate_size_model drafts as they say); with several, every EAGLE config runs per spec."""
-    from bench_acceptance import configs_for, parse_args
+    from benchmarks.studies.bench_acceptance import configs_for, parse_args
 
     one = parse_args(["--steps", "2", "--draft-tokens", "3", "--maps", "code_512", "--layouts", "local/topk"])
     assert (one.spec, one.steps, one.topk, one.draft_tokens) == ([(2, 1, 3)], 2, 1, 3)
@@ -211,7 +210,7 @@ def test_bench_acceptance_ratios_recover_speeds_across_groups():
     is the configs' own speed ratio, chained through the anchor, and ``best`` picks the fastest."""
     from types import SimpleNamespace
 
-    from bench_acceptance import configs_for, parse_args, summarize_tp
+    from benchmarks.studies.bench_acceptance import configs_for, parse_args, summarize_tp
 
     args = parse_args(["--fixture", "gemma3", "--tp", "2", "--one-reference", "--alive", "1", "--maps",
                        "8192", "32768", "--layouts", "--spec", "2,1,3", "3,1,4", "3,2,6", "--concurrency",
@@ -255,8 +254,8 @@ def test_bench_acceptance_smoke(tmp_path, capsys):
     # group (--alive 3), the second spec's map row in the next, so its ratio to its own spec's EAGLE
     # without a map is chained through the first spec's. The prompts go one at a time.
     specs = ("3,1,4", "2,1,3")
-    out = run_main(capsys, "bench_acceptance.py", "--tp", "1", "--maps", "code_512", "--layouts",
-                   "--prompts", "2", "--max-new-tokens", "8", "--rounds", "1", "--one-reference",
+    out = run_main(capsys, "benchmarks.studies.bench_acceptance", "--tp", "1", "--maps", "code_512",
+                   "--layouts", "--prompts", "2", "--max-new-tokens", "8", "--rounds", "1", "--one-reference",
                    "--spec", *specs, "--concurrency", "1", "--json", str(tmp_path / "a.json"),
                    "--plot", str(tmp_path / "a.png"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -311,8 +310,8 @@ def test_bench_acceptance_smoke(tmp_path, capsys):
     (tmp_path / "a1.json").write_text(json.dumps(data | {"args": args, "results": one}))
     rows = one
     # The size model against those figures: counts served on the same prompts, every map modelled.
-    out = run_main(capsys, "validate_size_model.py", "--acceptance", str(tmp_path / "a1.json"),
-                   "--prompt-sets", "timed", "--domains", "code", "--batch-tail",
+    out = run_main(capsys, "benchmarks.studies.validate_size_model", "--acceptance",
+                   str(tmp_path / "a1.json"), "--prompt-sets", "timed", "--domains", "code", "--batch-tail",
                    "--json", str(tmp_path / "v.json"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "v.json").read_text())
@@ -324,7 +323,7 @@ def test_bench_acceptance_smoke(tmp_path, capsys):
         assert 0.0 < modelled["drafts_kept"] <= 1.0 and modelled["speedup_model"] > 1.0
     tail = report["batch_tail"]["code_512"]
     assert set(tail) == {"code"} and all(1 <= mean <= slowest for mean, slowest in tail.values())
-    printed = run("validate_size_model.py", "--report", str(tmp_path / "v.json"))
+    printed = run("benchmarks.studies.validate_size_model", "--report", str(tmp_path / "v.json"))
     assert printed.returncode == 0 and printed.stdout in out.stdout  # the same tables, from the JSON
 
 
@@ -332,7 +331,7 @@ def test_bench_acceptance_smoke(tmp_path, capsys):
 def test_bench_adaptive_smoke(tmp_path, capsys):
     """Issue 26's benchmark end to end on the trained fixture: two adaptive servers (two intervals)
     beside the three others, three phases, tiny sizes."""
-    out = run_main(capsys, "bench_adaptive.py", "--requests-per-phase", "4", "--batch", "2",
+    out = run_main(capsys, "benchmarks.studies.bench_adaptive", "--requests-per-phase", "4", "--batch", "2",
                    "--interval", "2", "3", "--max-new-tokens", "8", "--json", str(tmp_path / "ad.json"),
                    "--plot", str(tmp_path / "ad.png"))  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

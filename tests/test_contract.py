@@ -16,7 +16,6 @@ import tomllib
 from packaging.requirements import Requirement
 
 from scripts.check_sglang_releases import release_test_runs
-from scripts.gpu_kit import KIT_PINS
 from sglang_frspec.adapters import contract
 from sglang_frspec.adapters.contract_check import (
     Contains,
@@ -28,6 +27,7 @@ from sglang_frspec.adapters.contract_check import (
 from sglang_frspec.adapters.hooks import VARIANTS, hook_target
 from sglang_frspec.demo.cpu import cpu_env
 from tests.harness.forked_python import run_python
+from tools.gpu_kit.build import KIT_PINS
 
 REPO = Path(__file__).resolve().parent.parent
 SITE = Path(importlib.util.find_spec("sglang").origin).parent.parent  # the folder holding sglang/

@@ -1,4 +1,4 @@
-"""The GPU server kit (scripts/gpu_kit.py, benchmarks/gpu_site/, gpu_server_check.*) stays runnable.
+"""The GPU server kit (tools/gpu_kit/build.py, tools/gpu_kit/gpu_site/, gpu_server_check.*) stays runnable.
 
 No GPU and no download here: SGLang's CUDA path is imported with CUDA faked, in a Python that
 sees only what the device would (the installed packages the device has or the kit carries,
@@ -18,13 +18,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-GPU_SITE = REPO / "benchmarks" / "gpu_site"
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "benchmarks"))
+from tools.gpu_kit import build as gpu_kit
+from tools.gpu_kit import gpu_server_check
 
-import gpu_kit  # noqa: E402
-import gpu_server_check  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+KIT = REPO / "tools" / "gpu_kit"
+GPU_SITE = KIT / "gpu_site"
 
 # The device's Python packages, as /work/.library/device/KINDS.md lists them (read 2026-11-17).
 DEVICE_PACKAGES = [
@@ -158,7 +157,7 @@ torch.cuda.is_available = lambda: True
 torch.cuda.device_count = lambda: 1
 torch.cuda.get_device_capability = lambda device=None: (9, 0)
 torch.cuda.get_device_name = lambda device=None: "NVIDIA H200"
-import gpu_server_check
+from tools.gpu_kit import gpu_server_check
 gpu_server_check.import_cuda_path()
 gpu_server_check.check_tree_kernels("cpu")
 import importlib.util
@@ -175,7 +174,7 @@ def test_cuda_path_imports_with_the_kit_and_tree_kernels_match(tmp_path):
     site = device_site(tmp_path / "site")
     kit_site = tmp_path / "kit_site"
     gpu_kit.write_plugin_metadata(kit_site)
-    path = [GPU_SITE, REPO / "benchmarks", REPO, kit_site, site]
+    path = [GPU_SITE, REPO, kit_site, site]
     env = {
         "PATH": "/usr/bin:/bin",
         "HOME": str(tmp_path),
@@ -196,7 +195,7 @@ def test_cuda_path_imports_with_the_kit_and_tree_kernels_match(tmp_path):
 
 def dry_run_steps() -> dict[str, tuple[int, list[str]]]:
     """The check script's steps (name -> limit in seconds, command) as its --dry-run lists them."""
-    script = REPO / "benchmarks" / "gpu_server_check.sh"
+    script = KIT / "gpu_server_check.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     proc = subprocess.run(
         ["bash", str(script), "--dry-run"],
@@ -219,8 +218,8 @@ def test_check_script_steps_fit_nine_minutes_and_call_the_steps_it_defines():
     assert required <= 540 and steps["kernels"][0] <= 540  # the kernel step gets what is left
     for name in ("imports", "fixture", "graphs", "eager"):
         command = steps[name][1]
-        assert command[:2] == [sys.executable, "benchmarks/gpu_server_check.py"]
-        assert gpu_server_check.parser().parse_args(command[2:]).step in (name, "serve")
+        assert command[:3] == [sys.executable, "-m", "tools.gpu_kit.gpu_server_check"]
+        assert gpu_server_check.parser().parse_args(command[3:]).step in (name, "serve")
     assert steps["install"][1][-1].startswith("gpu-kit/wheels/")
 
 

@@ -22,12 +22,12 @@ import os
 import shlex
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
 from sglang_frspec.demo.server import Launch, SGLangServer, new_python, plugin_activity
+from sglang_frspec.demo.timing import timed_batch, warm_up
 
 SHOWN_PROMPTS = 4  # prompts whose text the demo prints
 DEFAULT_SPEC = (2, 2, 4)  # EAGLE steps, topk, draft tokens where the model names none
@@ -142,34 +142,14 @@ def _workload(args) -> Workload:
     return Workload([{"text": DEMO_PROMPTS[i % len(DEMO_PROMPTS)]} for i in range(args.requests)])
 
 
-def _generate(server: SGLangServer, prompts: list[dict], params: dict) -> tuple[list[dict], float]:
-    """One ``/generate`` call for all of ``prompts`` at once: the outputs and the seconds taken."""
-    batch = {key: [p[key] for p in prompts] for key in prompts[0]}
-    start = time.perf_counter()
-    outs = server.post("/generate", batch | {"sampling_params": params})
-    return outs, time.perf_counter() - start
-
-
-def _figures(outs: list[dict], seconds: float) -> dict:
-    accept = [o["meta_info"].get("spec_accept_length") for o in outs]
-    accept = [a for a in accept if a is not None]
-    return {
-        "outputs": [o["output_ids"] for o in outs],
-        "texts": [o.get("text") for o in outs],
-        "tokens_per_s": sum(len(o["output_ids"]) for o in outs) / seconds,
-        "accept_length": sum(accept) / len(accept) if accept else None,
-    }
-
-
 def _measure(server: SGLangServer, prompts: list[dict], max_new_tokens: int, one_at_a_time: int) -> dict:
     """Every prompt at once (throughput), then the first ``one_at_a_time`` prompts one after another
     (latency: what speculative decoding is for) under ``"one_at_a_time"``."""
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-    server.post("/generate", prompts[0] | {"sampling_params": params | {"max_new_tokens": 4}})  # warm-up
-    result = _figures(*_generate(server, prompts, params))
+    batch = [p.get("text", p.get("input_ids")) for p in prompts]
+    warm_up(server, batch)
+    result = timed_batch(server, batch, max_new_tokens)
     if one_at_a_time:
-        single = [_generate(server, [prompt], params) for prompt in prompts[:one_at_a_time]]
-        result["one_at_a_time"] = _figures([o for outs, _ in single for o in outs], sum(s for _, s in single))
+        result["one_at_a_time"] = timed_batch(server, batch[:one_at_a_time], max_new_tokens, at_once=1)
     return result
 
 

@@ -25,8 +25,8 @@ COUNTS_ENV = "SGLANG_FRSPEC_COUNTS"
 ADAPT_ENV = "SGLANG_FRSPEC_ADAPT"
 ADAPT_INTERVAL_ENV = "SGLANG_FRSPEC_ADAPT_INTERVAL"
 OPTION_ENVS = (LAYOUT_ENV, EXCHANGE_ENV, COVERAGE_ENV, COUNTS_ENV, ADAPT_ENV, ADAPT_INTERVAL_ENV)
-# Chosen by benchmarks/bench_adaptive.py --interval 16 64 256 (docs/benchmarks.md): 16 adapted fastest and
-# accepted most in every phase; a decision costs about 0.2% of the steps' time at 16.
+# Chosen by benchmarks/studies/bench_adaptive.py --interval 16 64 256 (docs/benchmarks.md): 16 adapted
+# fastest and accepted most in every phase; a decision costs about 0.2% of the steps' time at 16.
 DEFAULT_ADAPT_INTERVAL = 16
 DEFAULT_LAYOUT = "balanced"
 DEFAULT_EXCHANGE = "full"

@@ -8,7 +8,7 @@ pinned below), prunes the SGLang wheel to pure Python, writes this plugin's entr
 and checks the total against the carry limit. Output (ignored by git): ``gpu-kit/wheels/*.whl``
 and ``gpu-kit/site/sglang_frspec-<version>.dist-info``. Needs the package index.
 
-    .venv/bin/python scripts/gpu_kit.py            # build (or rebuild) gpu-kit/
+    .venv/bin/python -m tools.gpu_kit.build            # build (or rebuild) gpu-kit/
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import tomllib
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KIT = REPO / "gpu-kit"
 SGLANG_VERSION = "0.5.23"
 CONSTRAINTS = REPO / "constraints.txt"
@@ -124,7 +124,6 @@ def write_plugin_metadata(site: Path) -> Path:
     """
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     plugins = project["entry-points"]["sglang.srt.plugins"]
-    sys.path.insert(0, str(REPO))
     from sglang_frspec import __version__
 
     dist_info = site / f"sglang_frspec-{__version__}.dist-info"

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 # The CPU stand-in (sglang_frspec/demo/cpu_site/sgl_kernel), found from this repository.
-_CPU_STANDIN = Path(__file__).resolve().parents[3] / "sglang_frspec" / "demo" / "cpu_site" / "sgl_kernel"
+_CPU_STANDIN = Path(__file__).resolve().parents[4] / "sglang_frspec" / "demo" / "cpu_site" / "sgl_kernel"
 if not (_CPU_STANDIN / "__init__.py").is_file():
     raise ImportError(f"sgl_kernel GPU-check stand-in: the CPU stand-in is not at {_CPU_STANDIN}")
 # Run the CPU stand-in as this module: its submodule finder and placeholders, and its `_impl`

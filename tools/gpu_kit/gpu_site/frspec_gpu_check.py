@@ -5,7 +5,7 @@ On CUDA, SGLang 0.5.23 builds the EAGLE tree and verifies greedy drafts with JIT
 no fallback). The same SGLang ships Triton versions of both in ``spec_tree.py`` (its XPU path);
 this plugin replaces the two JIT functions with them through SGLang's hook registry, which also
 rebinds the names ``spec_tree`` imported, so the check needs no JIT build of its own. Selected
-with ``SGLANG_PLUGINS`` by ``benchmarks/gpu_server_check.sh`` only.
+with ``SGLANG_PLUGINS`` by ``tools/gpu_kit/gpu_server_check.sh`` only.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ The model is per verify step (a full batch, as in steady serving); bench_accepta
 closed batch, which ends with its slowest request. ``--batch-tail`` serves the timed batch once per
 map (TP=1) and reports each map's mean and slowest per-request verify steps, which show that tail.
 
-    python benchmarks/validate_size_model.py --acceptance docs/results/acceptance-cpu.json \
+    python -m benchmarks.studies.validate_size_model --acceptance docs/results/acceptance-cpu.json \
         --head-share 0.40 --batch-tail --json docs/results/size-model-validation.json
-    python benchmarks/validate_size_model.py --report docs/results/size-model-validation.json
+    python -m benchmarks.studies.validate_size_model --report docs/results/size-model-validation.json
 """
 
 from __future__ import annotations
@@ -34,17 +34,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tools
-from common import fixture_map, shown_path, shown_paths  # noqa: E402
-
-from sglang_frspec.core import canonical_hot_ids, read_token_map  # noqa: E402
-from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
-from sglang_frspec.demo.server import SGLangServer  # noqa: E402
-from sglang_frspec.maps import TokenCounts  # noqa: E402
-from sglang_frspec.maps.sizing import estimate_sizes  # noqa: E402
-from tools.draft_training.trained_fixture import MAP_SIZES, trained_fixture  # noqa: E402
-from tools.serving.zygote import forked_launch  # noqa: E402
+from benchmarks.common import fixture_map, shown_path, shown_paths
+from sglang_frspec.core import canonical_hot_ids, read_token_map
+from sglang_frspec.demo import timing
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
+from sglang_frspec.demo.server import SGLangServer
+from sglang_frspec.maps import TokenCounts
+from sglang_frspec.maps.sizing import estimate_sizes
+from tools.draft_training.trained_fixture import MAP_SIZES, trained_fixture
+from tools.serving.zygote import forked_launch
 
 DOMAINS = ("code", "prose")
 NO_MAP = "EAGLE, no map"
@@ -78,18 +76,13 @@ def eagle_server(fixture, token_map: str, args: argparse.Namespace, log: Path, e
     return SGLangServer(cli, cpu_env(1, with_plugin=True, base=os.environ | env), log, launch=forked_launch)
 
 
-def generate(server: SGLangServer, prompts: list, args: argparse.Namespace) -> list[dict]:
-    params = {"max_new_tokens": args.bench["max_new_tokens"], "temperature": 0.0, "ignore_eos": True}
-    return server.post("/generate", {"input_ids": prompts, "sampling_params": params})
-
-
 def serve_counts(fixture, domain: str, prompts: list, args: argparse.Namespace, out: Path) -> TokenCounts:
     """Counts of a graceful-shutdown TP=1 server with the largest map that served ``prompts``."""
     path = out / f"served_{domain}.counts.pt"
     largest = f"code_{MAP_SIZES[-1]}"
     env = {"SGLANG_FRSPEC_COUNTS": str(path)}
     with eagle_server(fixture, largest, args, out / f"served_{domain}.log", env) as server:
-        generate(server, prompts, args)
+        timing.generate(server, prompts, args.bench["max_new_tokens"])
         server.proc.send_signal(signal.SIGTERM)  # graceful: the plugin writes its final counts
         server.proc.wait(timeout=120)
     return TokenCounts.load(path)
@@ -112,7 +105,9 @@ def batch_tail(fixture, maps: list[str], args: argparse.Namespace, out: Path) ->
             for domain in args.domains:
                 steps = [
                     o["meta_info"]["spec_verify_ct"]
-                    for o in generate(server, fixture.prompts(domain)[begin:end], args)
+                    for o in timing.generate(
+                        server, fixture.prompts(domain)[begin:end], args.bench["max_new_tokens"]
+                    )
                 ]
                 by_domain[domain] = (sum(steps) / len(steps), max(steps))
     return tail

@@ -4,9 +4,9 @@ serves one setting of it (TP=2, NEXTN topk 2, map and plugin:
 ``tests/test_architectures.py::test_qwen3_5_mtp_at_tp2_with_a_map_decodes_as_hf_greedy``, 26 s
 with the build on a quiet 2-core machine); this script runs any other by hand (about 35 s each).
 
-    .venv/bin/python benchmarks/qwen3_5_cpu.py                     # plain greedy at TP=1 vs HF
-    .venv/bin/python benchmarks/qwen3_5_cpu.py --nextn --topk 2      # NEXTN (its MTP layer) vs HF
-    .venv/bin/python benchmarks/qwen3_5_cpu.py --tp 2 --map          # NEXTN + map + plugin at TP=2
+    .venv/bin/python -m tests.harness.qwen3_5_cpu                     # plain greedy at TP=1 vs HF
+    .venv/bin/python -m tests.harness.qwen3_5_cpu --nextn --topk 2      # NEXTN (its MTP layer) vs HF
+    .venv/bin/python -m tests.harness.qwen3_5_cpu --tp 2 --map          # NEXTN + map + plugin at TP=2
 
 The checkpoint is what SGLang serves for Qwen3.5 (``Qwen3_5ForConditionalGeneration``: SGLang
 registers no text-only Qwen3.5 class, ``srt/models/qwen3_5.py:3021``), built by Transformers from
@@ -38,21 +38,22 @@ build, 2 cores, another job running).
 On CPU it needs three more CPU-test plugin patches (``frspec_cpu_amx.py``: fla's gated norm, the
 shared-expert gate, ``get_device_module``).
 
-    .venv/bin/python benchmarks/qwen3_5_cpu.py --family qwen3_next --tp 2 --map --topk 1
+    .venv/bin/python -m tests.harness.qwen3_5_cpu --family qwen3_next --tp 2 --map --topk 1
 
 ``--chain`` (Qwen3-Next): ``chain_target``, a permutation chain with an exact MTP draft, so accept
 lengths mean something; ``--stock`` serves the map without the plugin (stock SGLang: TP=1 only).
 Results: docs/results/qwen3-next-chain-cpu.txt.
 
-    .venv/bin/python benchmarks/qwen3_5_cpu.py --family qwen3_next --chain --tp 1 --map --stock
-    .venv/bin/python benchmarks/qwen3_5_cpu.py --family qwen3_next --chain --tp 2 --map
+    .venv/bin/python -m tests.harness.qwen3_5_cpu --family qwen3_next --chain --tp 1 --map --stock
+    .venv/bin/python -m tests.harness.qwen3_5_cpu --family qwen3_next --chain --tp 2 --map
 
 ``modelopt_target``: the checkpoint as a ModelOpt export (``MODELOPT_CONFIGS``: an
 ``hf_quant_config.json`` beside the same weights), the seed report's shape of checkpoint, served in
 bfloat16 (ModelOpt's configs refuse float32). There SGLang's greedy leaves HF's float32 greedy at
 near-ties, so it is compared with SGLang's plain greedy instead: in CI
 ``tests/test_architectures.py::test_qwen3_5_modelopt_checkpoint_at_tp2_with_a_map_decodes_as_plain_greedy``,
-by hand ``benchmarks/sweep_architectures.py --only qwen3_5_mtp_modelopt_nvfp4 qwen3_next_mtp_modelopt_fp8``.
+by hand ``python -m tests.harness.sweep_architectures --only qwen3_5_mtp_modelopt_nvfp4
+qwen3_next_mtp_modelopt_fp8``.
 """
 
 from __future__ import annotations
@@ -65,18 +66,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools
-
-from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
-from sglang_frspec.demo.fixtures import (  # noqa: E402
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
+from sglang_frspec.demo.fixtures import (
     cache_root,
     cached_build,
     linked_variant,
     save_word_tokenizer,
     source_digest,
 )
-from sglang_frspec.demo.server import SGLangServer, plugin_activity  # noqa: E402
-from tools.serving.greedy import compare_greedy, reference_greedy  # noqa: E402
+from sglang_frspec.demo.server import SGLangServer, plugin_activity
+from tools.serving.greedy import compare_greedy, reference_greedy
 
 VOCAB = 4093
 HIDDEN = 128

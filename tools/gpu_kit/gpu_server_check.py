@@ -1,10 +1,10 @@
 """Steps of the first real SGLang GPU server check with this plugin (run by gpu_server_check.sh).
 
-    python benchmarks/gpu_server_check.py env                  # the environment, as shell exports
-    python benchmarks/gpu_server_check.py imports              # CUDA-path imports, plugins, kernels
-    python benchmarks/gpu_server_check.py fixture DIR          # build the permutation fixture
-    python benchmarks/gpu_server_check.py serve DIR graphs OUT # TP=1 EAGLE + map + plugin server
-    python benchmarks/gpu_server_check.py serve DIR eager OUT  # the same with --disable-cuda-graph
+    python -m tools.gpu_kit.gpu_server_check env                  # the environment, as shell exports
+    python -m tools.gpu_kit.gpu_server_check imports              # CUDA-path imports, plugins, kernels
+    python -m tools.gpu_kit.gpu_server_check fixture DIR          # build the permutation fixture
+    python -m tools.gpu_kit.gpu_server_check serve DIR graphs OUT # TP=1 EAGLE + map + plugin server
+    python -m tools.gpu_kit.gpu_server_check serve DIR eager OUT  # the same with --disable-cuda-graph
 
 The server runs the permutation fixture (``sglang_frspec.demo.fixtures``): greedy decoding
 follows x -> pi(x), and every draft token of a chain inside the hot map is accepted. Each serve
@@ -28,11 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from sglang_frspec.demo.cpu import eagle_args  # noqa: E402
-from sglang_frspec.demo.server import SGLangServer, plugin_activity  # noqa: E402
+from sglang_frspec.demo.cpu import eagle_args
+from sglang_frspec.demo.server import SGLangServer, plugin_activity
 
 # What a TP=1 EAGLE server imports on CUDA with this check's flags, and what eagle_worker_v2
 # imports lazily there (the attention backends whose draft-extend graphs it can capture).
@@ -53,7 +50,7 @@ CUDA_PATH_MODULES = (
     "sglang.srt.models.llama_eagle",
     "sglang.kernels.ops.speculative.spec_tree",
 )
-PLUGINS = "frspec,frspec_gpu_check"  # this project's plugin and the check's (benchmarks/gpu_site)
+PLUGINS = "frspec,frspec_gpu_check"  # this project's plugin and the check's (tools/gpu_kit/gpu_site)
 # Environment of every step (gpu_server_check.sh exports it from `env`): SGLang's torch versions of
 # the fused ops (rmsnorm, silu_and_mul, rotary) instead of JIT kernels; no build of tvm-ffi's torch
 # DLPack extension at import (a compile on every fresh machine); no torch.compile; the Python

@@ -14,7 +14,8 @@ groups of ``--alive``), idle ones suspended; ratios use the references' samples 
 Reports per configuration, domain and concurrency mode: accept length, tokens/s, ratio to EAGLE
 without a map and to plain decoding, and whether the outputs equal plain greedy decoding at that TP
 (tie-aware: a difference is allowed only at a top-2 near-tie of the target, see tools.serving.greedy).
-    python benchmarks/bench_acceptance.py --json docs/results/acceptance.json --plot docs/acceptance.png
+    python -m benchmarks.studies.bench_acceptance --json docs/results/acceptance.json \\
+        --plot docs/acceptance.png
 
 ``--spec S,K,T ...`` (EAGLE steps, topk, draft tokens) runs every EAGLE configuration once per spec
 (its name then ends in the spec); its ratio to EAGLE without a map is to that of the same spec, and
@@ -24,8 +25,8 @@ another (1: one request at a time; default: all as one batch). A closing table g
 domain and concurrency, each system's fastest row (plain greedy; stock EAGLE: no map, any spec;
 EAGLE + map: any map and spec) and its ratios to plain greedy and to the fastest stock EAGLE row
 (JSON key ``best``). Gemma 3's sweep at TP=2 (the plugin; ``--tp 1`` for TP=1):
-    python benchmarks/bench_acceptance.py --fixture gemma3 --tp 2 --stock-tp1 --one-reference --alive 1 \
-        --maps 8192 32768 --layouts --spec 2,1,3 3,1,4 3,2,6 --concurrency 1 8 --prompts 8 \
+    python -m benchmarks.studies.bench_acceptance --fixture gemma3 --tp 2 --stock-tp1 --one-reference \
+        --alive 1 --maps 8192 32768 --layouts --spec 2,1,3 3,1,4 3,2,6 --concurrency 1 8 --prompts 8 \
         --max-new-tokens 32 --rounds 2 --json docs/results/acceptance-gemma3-sweep-cpu.json
 
 ``--fixture gemma3`` runs the same on a real pretrained model: Gemma 3 270M (262144 ids,
@@ -34,7 +35,7 @@ EAGLE + map: any map and spec) and its ratios to plain greedy and to the fastest
 of it holds about 7.5 GB, so ``--one-reference`` keeps only EAGLE without a map alive as the
 reference (plain decoding's ratios are then chained through it), and ``--stock-tp1`` makes the
 TP=1 servers stock SGLang (no plugin), whose accept lengths the TP=2 plugin's must equal:
-    python benchmarks/bench_acceptance.py --fixture gemma3 --stock-tp1 --one-reference --alive 1 \
+    python -m benchmarks.studies.bench_acceptance --fixture gemma3 --stock-tp1 --one-reference --alive 1 \
         --layouts balanced/topk --layout-map 8192 32768 --prompts 8 --max-new-tokens 32 \
         --json docs/results/acceptance-gemma3-cpu.json --plot docs/acceptance-gemma3.png
 
@@ -42,7 +43,7 @@ TP=1 servers stock SGLang (no plugin), whose accept lengths the TP=2 plugin's mu
 with ``--sampling-map``, each with SGLang's target-only verify and with rejection sampling
 (``--speculative-use-rejection-sampling``), one server each, at each of ``--temperatures``
 (requests seeded through ``--random-seed``; at temperature 0 rejection sampling is greedy).
-    python benchmarks/bench_acceptance.py --sampling --tp 1 --max-new-tokens 32 \
+    python -m benchmarks.studies.bench_acceptance --sampling --tp 1 --max-new-tokens 32 \
         --json docs/results/acceptance-sampling-cpu.json
 """
 
@@ -54,21 +55,17 @@ import os
 import re
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tools
-from common import fixture_map, shown_path, shown_paths, summarize  # noqa: E402
-
-from sglang_frspec.demo import gemma3  # noqa: E402
-from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
-from sglang_frspec.demo.server import SGLangServer  # noqa: E402
-from tools.draft_training.trained_fixture import MAP_SIZES, PROSE_MAP_SIZE, trained_fixture  # noqa: E402
-from tools.serving.greedy import compare_greedy  # noqa: E402
-from tools.serving.zygote import forked_launch  # noqa: E402
+from benchmarks.common import fixture_map, shown_path, shown_paths, summarize
+from sglang_frspec.demo import gemma3, timing
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
+from sglang_frspec.demo.server import SGLangServer
+from tools.draft_training.trained_fixture import MAP_SIZES, PROSE_MAP_SIZE, trained_fixture
+from tools.serving.greedy import greedy_match
+from tools.serving.zygote import forked_launch
 
 PLAIN, NO_MAP = "plain greedy", "EAGLE, no map"
 # The systems of the closing table: rows without a map are stock EAGLE, rows with one EAGLE + map.
@@ -251,26 +248,6 @@ def start(config: Config, fixture, args, log_dir: Path) -> SGLangServer:
     return server
 
 
-def timed_batch(
-    server: SGLangServer, prompts: list[list[int]], max_new_tokens: int, at_once: int = 0
-) -> dict:
-    """Greedy outputs of ``prompts`` sent as closed batches of ``at_once`` (default: one batch), one
-    after another; tokens/s over all of them."""
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-    at_once = at_once or len(prompts)
-    outs = []
-    begin = time.perf_counter()
-    for i in range(0, len(prompts), at_once):
-        outs += server.post("/generate", {"input_ids": prompts[i : i + at_once], "sampling_params": params})
-    seconds = time.perf_counter() - begin
-    accept = [o["meta_info"].get("spec_accept_length") or 1.0 for o in outs]
-    return {
-        "outputs": [o["output_ids"] for o in outs],
-        "tokens_per_s": sum(len(o["output_ids"]) for o in outs) / seconds,
-        "accept_length": sum(accept) / len(accept),
-    }
-
-
 def measure(group: list[Config], servers: dict, prompts: dict, args) -> None:
     """Interleaved rounds over the (suspended) servers of ``group``; each round times every domain's
     prompts in each concurrency mode. Round 0 warms up, untimed: one batch of each size, 4 tokens
@@ -281,25 +258,17 @@ def measure(group: list[Config], servers: dict, prompts: dict, args) -> None:
             server = servers[config.name]
             server.resume()
             # untimed: the first request after SIGCONT would time the wake-up, and it is always code's
-            timed_batch(server, prompts[DOMAINS[-1]][:1], 4)
+            timing.warm_up(server, prompts[DOMAINS[-1]])
             for domain in DOMAINS:
+                if not round_:
+                    timing.warm_up(server, prompts[domain], args.concurrency)
+                    continue
                 for at_once in args.concurrency:
-                    if not round_:
-                        timed_batch(server, prompts[domain][:at_once], 4)
-                        continue
-                    sample = timed_batch(server, prompts[domain], args.max_new_tokens, at_once)
+                    sample = timing.timed_batch(server, prompts[domain], args.max_new_tokens, at_once)
+                    sample["accept_length"] = sample["accept_length"] or 1.0  # plain: one token a step
                     sample["group"] = tuple(c.name for c in group)
                     config.samples[domain, at_once].append(sample)
             server.suspend()
-
-
-def greedy_match(target: str, prompts: list, got: list, expected: list) -> str:
-    """``yes``, ``ties N`` (equal but for N near-tie flips of the target) or ``NO``."""
-    try:
-        ties = compare_greedy(target, prompts, got, expected)
-    except AssertionError:
-        return "NO"
-    return f"ties {len(ties)}" if ties else "yes"
 
 
 def run_tp(tp: int, fixture, args, log_dir: Path, prompts: dict) -> list[Config]:
@@ -411,7 +380,7 @@ def best_rows(configs: list[Config], rows: list[dict], anchor: Config) -> list[d
 
 def sampling_rows(tp: int, fixture, args, log_dir: Path, prompts: dict) -> list[dict]:
     """Accept length per (map, verify, temperature, domain): one server per map and verify, every
-    temperature's batches on it (the mean of the requests' accept lengths, as ``timed_batch``)."""
+    temperature's batches on it (the mean of the requests' accept lengths, as ``timing.timed_batch``)."""
     rows = []
     for token_map in (None, args.sampling_map):
         for verify, extra in VERIFIES.items():
@@ -423,10 +392,8 @@ def sampling_rows(tp: int, fixture, args, log_dir: Path, prompts: dict) -> list[
             try:
                 for temperature in args.temperatures:
                     for domain in DOMAINS:
-                        params = {"max_new_tokens": args.max_new_tokens, "temperature": temperature,
-                                  "ignore_eos": True}  # fmt: skip
-                        outs = server.post(
-                            "/generate", {"input_ids": prompts[domain], "sampling_params": params}
+                        outs = timing.generate(
+                            server, prompts[domain], args.max_new_tokens, temperature=temperature
                         )
                         accept = [o["meta_info"]["spec_accept_length"] for o in outs]
                         row = {"tp": tp, "map": token_map, "verify": verify, "temperature": temperature}

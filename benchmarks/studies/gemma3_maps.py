@@ -13,8 +13,9 @@ vocab halves of TP=2, and ``sglang-frspec size`` on each counts file (the model'
 size, TP=2), whose recommendation is set next to the measured coverage. Measured acceptance per
 size needs a trained draft and is not measured here.
 
-    python benchmarks/gemma3_maps.py --out docs/results/gemma3-maps.txt --json docs/results/gemma3-maps.json
-    python benchmarks/gemma3_maps.py --report docs/results/gemma3-maps.json
+    python -m benchmarks.studies.gemma3_maps --out docs/results/gemma3-maps.txt \\
+        --json docs/results/gemma3-maps.json
+    python -m benchmarks.studies.gemma3_maps --report docs/results/gemma3-maps.json
 
 Keep ``--prompt-chars`` and ``--max-new-tokens`` small: on the shared 2-core CPU of
 docs/results/gemma3-maps.txt each generated token of a 16-request batch took about 1 s
@@ -35,8 +36,8 @@ import time
 from pathlib import Path
 
 import torch
-from common import shown_path
 
+from benchmarks.common import shown_path
 from sglang_frspec.core.plan import vocab_shard_ranges
 from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env
 from sglang_frspec.demo.gemma3 import SERVER_ARGS, gemma3_fixture
@@ -301,7 +302,7 @@ def format_report(r: dict) -> str:
         for k, v in r["args"].items()
         if v is not None
     )
-    run = f"python benchmarks/gemma3_maps.py {options}"
+    run = f"python -m benchmarks.studies.gemma3_maps {options}"
     lines = [
         f"$ {run}",
         f"Gemma 3 270M token maps: vocab {r['vocab']}, hidden {r['hidden']}; target $TARGET = {r['target']}",

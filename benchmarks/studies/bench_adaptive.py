@@ -31,9 +31,9 @@ It also checks issue 26's goals (reported, never tuned to): the adaptive map com
 the in-domain static map's accept length within 64 requests of each phase, and is never slower
 than the static prose map it started from by more than the noise.
 
-    python benchmarks/bench_adaptive.py --requests-per-phase 32 --batch 8 --interval 16 \\
+    python -m benchmarks.studies.bench_adaptive --requests-per-phase 32 --batch 8 --interval 16 \\
         --json docs/results/adaptive-cpu.json --plot docs/adaptive.png
-    python benchmarks/bench_adaptive.py --interval 4 16 64 256   # the interval sweep
+    python -m benchmarks.studies.bench_adaptive --interval 4 16 64 256   # the interval sweep
 """
 
 from __future__ import annotations
@@ -48,16 +48,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tools
-from common import fixture_map, median_interval, rotated, shown_path, shown_paths, summarize  # noqa: E402
-
-from sglang_frspec.core.options import DEFAULT_ADAPT_INTERVAL  # noqa: E402
-from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
-from sglang_frspec.demo.server import SGLangServer  # noqa: E402
-from tools.draft_training.trained_fixture import PROSE_MAP_SIZE, trained_fixture  # noqa: E402
-from tools.serving.greedy import compare_greedy  # noqa: E402
-from tools.serving.zygote import forked_launch  # noqa: E402
+from benchmarks.common import fixture_map, median_interval, rotated, shown_path, shown_paths, summarize
+from sglang_frspec.core.options import DEFAULT_ADAPT_INTERVAL
+from sglang_frspec.demo import timing
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
+from sglang_frspec.demo.server import SGLangServer
+from tools.draft_training.trained_fixture import PROSE_MAP_SIZE, trained_fixture
+from tools.serving.greedy import greedy_match
+from tools.serving.zygote import forked_launch
 
 PHASES = ("code", "prose", "code")
 PROSE_MAP, CODE_MAP = f"prose_{PROSE_MAP_SIZE}", "code_128"
@@ -143,29 +141,17 @@ def start(server: Server, fixture, args, log_dir: Path) -> None:
     server.server = SGLangServer(cli, env, log_dir / name, launch=forked_launch).start()
 
 
-def generate(server: SGLangServer, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-    outs = server.post("/generate", {"input_ids": prompts, "sampling_params": params})
-    return outs if isinstance(outs, list) else [outs]
-
-
 def timed_batch(server: SGLangServer, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    warm = generate(server, prompts[:1], 4)  # untimed: the wake-up after SIGCONT
-    begin = time.perf_counter()
-    outs = generate(server, prompts, max_new_tokens)
-    seconds = time.perf_counter() - begin
-    verify = [o["meta_info"].get("spec_verify_ct") or 0 for o in outs]
-    accept = [o["meta_info"].get("spec_accept_length") or 1.0 for o in outs]
-    tokens = sum(len(o["output_ids"]) for o in outs)
-    return {
-        "outputs": [o["output_ids"] for o in outs],
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-        "accept_length": sum(a * v for a, v in zip(accept, verify)) / sum(verify) if sum(verify) else 1.0,
-        "verify_ct": verify,
-        # The batch's requests run together: its verify steps are its longest request's (+ the warm-up's).
-        "verify_steps": max(verify) + max(o["meta_info"].get("spec_verify_ct") or 0 for o in warm),
-    }
+    """``timing.timed_batch`` after an untimed wake-up request (the first after SIGCONT), with the
+    accept length weighted by each request's verify steps and the batch's verify steps."""
+    before = timing.generate(server, prompts[:1], timing.WARM_UP_TOKENS)
+    sample = timing.timed_batch(server, prompts, max_new_tokens)
+    verify = sample["verify_ct"]
+    accept = [a or 1.0 for a in sample["accept_lengths"]]
+    sample["accept_length"] = sum(a * v for a, v in zip(accept, verify)) / sum(verify) if sum(verify) else 1.0
+    # The batch's requests run together: its verify steps are its longest request's (+ the wake-up's).
+    sample["verify_steps"] = max(verify) + max(o["meta_info"].get("spec_verify_ct") or 0 for o in before)
+    return sample
 
 
 def adapted_lines(log: str) -> list[dict]:
@@ -203,17 +189,6 @@ def serve(servers: list[Server], phases, args) -> list[dict]:
         served = batch["first"] + len(batch["prompts"])
         print(f"phase {batch['phase'] + 1} {batch['domain']:<5} {served:>3} requests: {summary}", flush=True)
     return batches
-
-
-def outputs_match(target: str, prompts: list, got: list, expected: list) -> str:
-    """``yes`` (identical), ``ties N`` (equal but for N near-tie flips of the target) or ``NO``."""
-    if got == expected:
-        return "yes"
-    try:
-        ties = compare_greedy(target, prompts, got, expected)
-    except AssertionError:
-        return "NO"
-    return f"ties {len(ties)}" if ties else "yes"
 
 
 def weighted_accept(samples: list[dict]) -> float:
@@ -274,7 +249,7 @@ def report(servers: list[Server], batches: list[dict], phases, fixture, args) ->
                     "vs_static_prose": summarize(ratios)["median"],
                     "vs_static_prose_ci95": [low, high],
                     "step_ms": summarize([batch_rows[i]["servers"][s.name]["step_ms"] for i in at])["median"],
-                    "equals_no_map": outputs_match(
+                    "equals_no_map": greedy_match(
                         fixture.target, prompts, [o for x in samples for o in x["outputs"]], expected
                     ),
                 }

@@ -4,9 +4,9 @@ plugin's line recorded, or the error that stopped a server. The hybrid gated-del
 families of ``qwen3_5_cpu.py`` (Qwen3.5, Qwen3-Next, each also as a ModelOpt checkpoint) are
 swept the same way with their own server settings (NEXTN topk 1 with their MTP layer).
 
-    .venv/bin/python benchmarks/sweep_architectures.py --out docs/results/architecture-sweep-cpu
-    .venv/bin/python benchmarks/sweep_architectures.py --only gemma3_softcap qwen2
-    .venv/bin/python benchmarks/sweep_architectures.py --report docs/results/architecture-sweep-cpu.json
+    .venv/bin/python -m tests.harness.sweep_architectures --out docs/results/architecture-sweep-cpu
+    .venv/bin/python -m tests.harness.sweep_architectures --only gemma3_softcap qwen2
+    .venv/bin/python -m tests.harness.sweep_architectures --report docs/results/architecture-sweep-cpu.json
 """
 
 from __future__ import annotations
@@ -22,19 +22,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tools
-
-from architectures import ARCHITECTURES, architecture_fixture  # noqa: E402
-from common import shown_path  # noqa: E402
-from qwen3_5_cpu import SERVER_ARGS as HYBRID_ARGS  # noqa: E402
-from qwen3_5_cpu import SERVER_ENV as HYBRID_ENV  # noqa: E402
-from qwen3_5_cpu import modelopt_target, nextn_args, qwen3_5_target, qwen3_next_target  # noqa: E402
-
-from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args  # noqa: E402
-from sglang_frspec.demo.server import ServerError, SGLangServer, plugin_activity  # noqa: E402
-from tools.serving.greedy import compare_greedy, reference_greedy  # noqa: E402
-from tools.serving.zygote import forked_launch  # noqa: E402
+from benchmarks.common import shown_path
+from sglang_frspec.demo.cpu import CPU_SERVER_ARGS, cpu_env, eagle_args
+from sglang_frspec.demo.server import ServerError, SGLangServer, plugin_activity
+from tests.harness.architectures import ARCHITECTURES, architecture_fixture
+from tests.harness.qwen3_5_cpu import SERVER_ARGS as HYBRID_ARGS
+from tests.harness.qwen3_5_cpu import SERVER_ENV as HYBRID_ENV
+from tests.harness.qwen3_5_cpu import modelopt_target, nextn_args, qwen3_5_target, qwen3_next_target
+from tools.serving.greedy import compare_greedy, reference_greedy
+from tools.serving.zygote import forked_launch
 
 TP = 2
 NEW_TOKENS = 24
