@@ -59,9 +59,10 @@ def hot_draft_head(hot: int, hidden: int) -> torch.Tensor:
 
 
 def _recorded_backend(runner) -> RecordedGraphBackend:
-    """What ``resolve_decode_backend`` returns here: recorded graphs that watch the buffers the
-    runner copies each batch into and, for a draft runner, the worker's tensors (``hot_token_id``),
-    and compare each capture's collectives over the TP group. The runner's ``*_cpu`` buffers
+    """What ``resolve_decode_backend`` returns here: recorded graphs that watch every tensor the
+    graph reads reachable from the runner, the buffers it copies each batch into and, for a draft
+    runner, the worker (``hot_token_id``, the models' weights), and compare each capture's
+    collectives over the TP group. The runner's ``*_cpu`` buffers
     (``seq_lens_cpu``: SGLang allocates them with ``device="cpu"`` on a GPU) are host memory."""
     from sglang.srt.runtime_context import get_parallel
 
