@@ -814,7 +814,8 @@ def collective_captures(payload: dict) -> dict:
     ``_functional_collectives``, its output waited on by a separate op) replayed with ``x`` set to
     each of two values times (rank + 1); then a capture in which rank 1 skips the all-reduce that
     rank 0 issues (on a group of its own whose gloo timeout frees rank 0's pending op soon after),
-    with ``payload["collective timeout"]``: rank 0's error and how long it took."""
+    with ``payload["collective timeout"]``, and one in which it skips a functional all-reduce: rank
+    0's errors and how long each took."""
     import datetime
     import time
 
@@ -841,4 +842,15 @@ def collective_captures(payload: dict) -> dict:
     start = time.monotonic()
     out["skipped"] = _error(lambda: record(skipping, collective_timeout=payload["collective timeout"]))
     out["seconds"] = time.monotonic() - start
+    # The same with a functional all-reduce, whose wait_tensor takes no timeout (the group's: 6 s).
+    functional_group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=6))
+
+    def skipping_functional() -> torch.Tensor:
+        y = x * 1
+        return funcol.all_reduce(y, "sum", functional_group) + 1 if rank == 0 else y
+
+    start = time.monotonic()
+    timeout = payload["collective timeout"]
+    out["skipped functional"] = _error(lambda: record(skipping_functional, collective_timeout=timeout))
+    out["functional seconds"] = time.monotonic() - start
     return out

@@ -49,9 +49,10 @@ reaches the recorder whole: it is decomposed, as with autograd on, so its host r
 Collectives (``c10d._allgather_base_``, ``c10d.allreduce_``, SGLang's ``sglang.*`` ops, torch's
 functional ``_c10d_functional.*``, ...) are recorded like any op; a replay re-issues them in the
 recorded order and waits on each returned work object or functional output before the next op
-reads it, as a stream orders them. At capture, a collective that returns a work object must
-complete within ``collective_timeout``: a rank that skips a collective the others issue would
-leave them waiting for the group's timeout (minutes), where a GPU's capture would hang.
+reads it, as a stream orders them. At capture, a collective (its work object, or the
+``wait_tensor`` on a functional collective's output) must complete within ``collective_timeout``:
+a rank that skips a collective the others issue would leave them waiting for the group's timeout
+(minutes), where a GPU's capture would hang.
 ``RecordedGraphBackend`` compares each capture's sequence of collectives across the ranks of its
 group at capture.
 """
@@ -62,6 +63,7 @@ import contextlib
 import datetime
 import enum
 import hashlib
+import threading
 import traceback
 import types
 import weakref
@@ -88,6 +90,7 @@ _HOST_READS = ("tolist", "numpy", "cpu")
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 # funcol's wrapper of a collective's output in an AsyncCollectiveTensor (a Python op, no storage).
 _WRAP_ASYNC = torch.ops._c10d_functional._wrap_tensor_autograd.default
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 # Where a custom op's own kernel is registered, below the dispatch key of this mode.
 _PYTHON_KERNEL_KEYS = ("CPU", "CompositeExplicitAutograd")
 _CPU_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -247,6 +250,7 @@ class _Recorder(TorchDispatchMode):
         self._slot_of: dict[int, int] = {}  # id(tensor) -> slot, for tensors seen in this capture
         self._seen: list[torch.Tensor] = []  # keeps the ids above unique until the capture ends
         self._owned_storages: set[int] = set()
+        self._functional_outputs: dict[int, str] = {}  # a functional collective's output -> its op
 
     def slot_of(self, t: torch.Tensor, reader: str) -> int:
         """The slot of ``t``; a tensor first seen here is memory the graph did not create."""
@@ -298,12 +302,14 @@ class _Recorder(TorchDispatchMode):
         recorded_args = [
             ("slot", self.slot_of(x, name)) if isinstance(x, torch.Tensor) else x for x in leaves
         ]
-        out = func(*args, **kwargs)
+        out = self._wait_tensor_for_every_rank(args[0]) if func is _WAIT_TENSOR else func(*args, **kwargs)
         results, _ = tree_flatten(out)
         outputs: list[int | None] = []
         for result in results:
             if _is_work(result):
                 self._wait_for_every_rank(result, name)
+            elif func.namespace == "_c10d_functional" and isinstance(result, torch.Tensor):
+                self._functional_outputs[_storage_address(result)] = name
             if not isinstance(result, torch.Tensor):
                 outputs.append(None)
             elif id(result) in self._slot_of:
@@ -320,12 +326,39 @@ class _Recorder(TorchDispatchMode):
         try:
             torch._C._distributed_c10d.Work.unbox(work).wait(self.collective_timeout)
         except RuntimeError as e:
-            seconds = self.collective_timeout.total_seconds()
-            raise GraphCaptureError(
-                f"{name} did not complete within {seconds:g} s of a graph capture: a rank that skips a "
-                f"collective inside a capture leaves the others waiting (on a GPU, a hung capture); "
-                f"at {_caller()}: {e}"
-            ) from e
+            raise self._not_completed(name, str(e)) from e
+
+    def _wait_tensor_for_every_rank(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``wait_tensor`` on a functional collective's output, within ``collective_timeout``: it
+        takes no timeout (it waits for the group's), so it waits in a thread that a skipped
+        collective leaves blocked until the group's timeout frees it."""
+        done, result = threading.Event(), {}
+        inference = torch.is_inference_mode_enabled()
+
+        def wait() -> None:
+            try:
+                with torch.inference_mode(inference):
+                    result["tensor"] = _WAIT_TENSOR(tensor)
+            except BaseException as e:  # handed to the capturing thread
+                result["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="recorded-graph-wait_tensor", daemon=True).start()
+        name = self._functional_outputs.get(_storage_address(tensor), str(_WAIT_TENSOR))
+        if not done.wait(self.collective_timeout.total_seconds()):
+            raise self._not_completed(name, "its wait_tensor is still waiting")
+        if "error" in result:
+            raise self._not_completed(name, str(result["error"])) from result["error"]
+        return result["tensor"]
+
+    def _not_completed(self, name: str, detail: str) -> GraphCaptureError:
+        seconds = self.collective_timeout.total_seconds()
+        return GraphCaptureError(
+            f"{name} did not complete within {seconds:g} s of a graph capture: a rank that skips a "
+            f"collective inside a capture leaves the others waiting (on a GPU, a hung capture); "
+            f"at {_caller()}: {detail}"
+        )
 
     def _host_op(self, func, args, kwargs) -> Any:
         """An op on host memory only: on a GPU the CPU runs it once, at capture, and the graph holds
