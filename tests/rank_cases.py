@@ -67,22 +67,29 @@ def hot_logits(payload: dict) -> dict:
     return out
 
 
-def agree(payload: dict) -> str:
-    """Each rank's draft worker runs the plugin's start-up (its ``init_lm_head`` hook, which checks
+def agree(payload: dict) -> dict[str, str]:
+    """For each case of ``payload["cases"]`` (name -> its ``maps``, one per rank, and PD ``mode``),
+    each rank's draft worker runs the plugin's start-up (its ``init_lm_head`` hook, which checks
     the map and joins the agreement step; on a PD node, with the map file's order) with its own
-    map's ids; returns the error text, or "agreed"."""
+    map's ids, on this one group; returns, per case, the error text or "agreed"."""
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_frspec.core import TokenMapError
+    from tests.harness.tp_group import republish
     from tests.rank_cases_graphs import plugin_worker
 
     load_plugins()
-    try:
-        plugin_worker(payload | {"map_ids": payload["maps"][get_parallel().tp_rank]})
-    except TokenMapError as e:
-        return str(e)
-    return "agreed"
+    out = {}
+    for name, case in payload["cases"].items():
+        republish(disaggregation_mode=case["mode"])  # what get_disagg() tells the start-up
+        try:
+            plugin_worker(payload | {"map_ids": case["maps"][get_parallel().tp_rank]})
+        except TokenMapError as e:
+            out[name] = str(e)
+        else:
+            out[name] = "agreed"
+    return out
 
 
 def dp_lm_head_logits(payload: dict) -> dict:

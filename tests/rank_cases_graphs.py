@@ -59,9 +59,10 @@ def hot_draft_head(hot: int, hidden: int) -> torch.Tensor:
 
 
 def _recorded_backend(runner) -> RecordedGraphBackend:
-    """What ``resolve_decode_backend`` returns here: recorded graphs that watch the buffers the
-    runner copies each batch into and, for a draft runner, the worker's tensors (``hot_token_id``),
-    and compare each capture's collectives over the TP group. The runner's ``*_cpu`` buffers
+    """What ``resolve_decode_backend`` returns here: recorded graphs that watch every tensor the
+    graph reads reachable from the runner, the buffers it copies each batch into and, for a draft
+    runner, the worker (``hot_token_id``, the models' weights), and compare each capture's
+    collectives over the TP group. The runner's ``*_cpu`` buffers
     (``seq_lens_cpu``: SGLang allocates them with ``device="cpu"`` on a GPU) are host memory."""
     from sglang.srt.runtime_context import get_parallel
 
@@ -813,7 +814,8 @@ def collective_captures(payload: dict) -> dict:
     ``_functional_collectives``, its output waited on by a separate op) replayed with ``x`` set to
     each of two values times (rank + 1); then a capture in which rank 1 skips the all-reduce that
     rank 0 issues (on a group of its own whose gloo timeout frees rank 0's pending op soon after),
-    with ``payload["collective timeout"]``: rank 0's error and how long it took."""
+    with ``payload["collective timeout"]``, and one in which it skips a functional all-reduce: rank
+    0's errors and how long each took."""
     import datetime
     import time
 
@@ -840,4 +842,15 @@ def collective_captures(payload: dict) -> dict:
     start = time.monotonic()
     out["skipped"] = _error(lambda: record(skipping, collective_timeout=payload["collective timeout"]))
     out["seconds"] = time.monotonic() - start
+    # The same with a functional all-reduce, whose wait_tensor takes no timeout (the group's: 6 s).
+    functional_group = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=6))
+
+    def skipping_functional() -> torch.Tensor:
+        y = x * 1
+        return funcol.all_reduce(y, "sum", functional_group) + 1 if rank == 0 else y
+
+    start = time.monotonic()
+    timeout = payload["collective timeout"]
+    out["skipped functional"] = _error(lambda: record(skipping_functional, collective_timeout=timeout))
+    out["functional seconds"] = time.monotonic() - start
     return out

@@ -18,13 +18,27 @@ pytestmark = pytest.mark.multirank
 VOCAB, HIDDEN, ROWS, TOPK = 5003, 48, 6, 4  # 5003: not a multiple of 64
 
 
-def start_up_agreement(maps: list[list[int]], mode: str = "null") -> list[str]:
-    """Each rank of a TP=2 group (a PD ``mode`` node) runs the plugin's start-up with its own map's
-    ids (``rank_cases.agree``); each rank's error text, or "agreed"."""
+FILE_IDS = [2, 300, 5, 9, 5, 17, 2, 40]  # a map file's ids, unsorted with duplicates
+# Each case: one map per rank of a TP=2 group, and the group's PD mode.
+AGREEMENT_CASES = {
+    "different maps": {"maps": [list(range(10, 200)), list(range(10, 201))], "mode": "null"},
+    # Rank 1 loads a permuted copy of rank 0's map, off PD and on a PD decode node.
+    "file order, null": {"maps": [FILE_IDS, FILE_IDS[::-1]], "mode": "null"},
+    "file order, decode": {"maps": [FILE_IDS, FILE_IDS[::-1]], "mode": "decode"},
+    "bad map on rank 1": {"maps": [list(range(10, 200)), [5, VOCAB + 7]], "mode": "null"},
+}
+
+
+@pytest.fixture(scope="module")
+def agreement() -> dict[str, list[str]]:
+    """Each case of ``AGREEMENT_CASES``, run in turn on one TP=2 group: each rank runs the plugin's
+    start-up with its own map's ids (``rank_cases.agree``); per case, each rank's error text, or
+    "agreed"."""
     perm = perm_fixture()
-    server_args = eagle_map_server_args(perm.draft, perm.token_map("hot"), 2) | {"disaggregation_mode": mode}
-    payload = {"vocab": VOCAB, "hidden": HIDDEN, "steps": 2, "max_running": 4, "maps": maps}
-    return run_tp_group(rank_cases.agree, 2, payload, server_args=server_args)
+    server_args = eagle_map_server_args(perm.draft, perm.token_map("hot"), 2)
+    payload = {"vocab": VOCAB, "hidden": HIDDEN, "steps": 2, "max_running": 4, "cases": AGREEMENT_CASES}
+    results = run_tp_group(rank_cases.agree, 2, payload, server_args=server_args)
+    return {name: [r[name] for r in results] for name in AGREEMENT_CASES}
 
 
 def _maps(tp: int) -> dict[str, list[int]]:
@@ -171,22 +185,19 @@ def test_hot_logits_bf16_and_idle_rows():
         assert idle[0][key]["logits"].shape == (0, len(set(_maps(2)[key[0]])))
 
 
-def test_ranks_with_different_maps_fail_together_naming_both_digests():
-    maps = [list(range(10, 200)), list(range(10, 201))]
-    errors = start_up_agreement(maps)
+def test_ranks_with_different_maps_fail_together_naming_both_digests(agreement):
+    maps = AGREEMENT_CASES["different maps"]["maps"]
     digests = [canonical_hot_ids(torch.tensor(m), VOCAB).digest[:16] for m in maps]
-    for error in errors:
+    for error in agreement["different maps"]:
         assert "different token maps" in error
         assert all(d in error for d in digests)
 
 
 @pytest.mark.parametrize("mode", ["null", "decode"])
-def test_ranks_of_a_pd_node_agree_on_the_map_files_order(mode):
+def test_ranks_of_a_pd_node_agree_on_the_map_files_order(agreement, mode):
     """Rank 1 loads a permuted copy of rank 0's map. Off PD the plugin uses the sorted ids only: the
     ranks agree. A PD node ships and reads positions in the file: both ranks refuse, naming why."""
-    file_ids = [2, 300, 5, 9, 5, 17, 2, 40]
-    maps = [file_ids, file_ids[::-1]]
-    errors = start_up_agreement(maps, mode)
+    errors = agreement[f"file order, {mode}"]
     if mode == "null":
         assert errors == ["agreed", "agreed"]
         return
@@ -195,10 +206,8 @@ def test_ranks_of_a_pd_node_agree_on_the_map_files_order(mode):
         assert "Copy one map file to every rank of every prefill and decode node" in error
 
 
-def test_one_rank_with_a_bad_map_fails_every_rank():
-    maps = [list(range(10, 200)), [5, VOCAB + 7]]
-    errors = start_up_agreement(maps)
-    for error in errors:
+def test_one_rank_with_a_bad_map_fails_every_rank(agreement):
+    for error in agreement["bad map on rank 1"]:
         assert "TP rank 1 of 2" in error and f">= the target's vocab size {VOCAB}" in error
 
 

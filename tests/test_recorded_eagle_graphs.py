@@ -240,3 +240,17 @@ def test_a_collective_one_rank_skips_fails_the_capture_within_the_timeout(ranks)
     assert "rank_cases_graphs.py:" in error and "(skipping)" in error
     assert ranks[0]["collective captures"]["seconds"] < 10
     assert ranks[1]["collective captures"]["skipped"] is None
+
+
+def test_a_functional_collective_one_rank_skips_fails_the_capture_within_the_timeout(ranks):
+    """The same with a functional all-reduce, whose ``wait_tensor`` takes no timeout: rank 0's
+    capture fails with the recorder's error after the 1 s collective timeout, before the group's
+    6 s (SGLang's groups: 300 s)."""
+    captures = ranks[0]["collective captures"]
+    error = captures["skipped functional"]
+    assert error.startswith(
+        "GraphCaptureError: _c10d_functional.all_reduce.default did not complete within 1 s"
+    ), error
+    assert "rank_cases_graphs.py:" in error and "(skipping_functional)" in error
+    assert captures["functional seconds"] < 5
+    assert ranks[1]["collective captures"]["skipped functional"] is None

@@ -5,6 +5,7 @@ what a CUDA graph cannot hold is refused at capture or at replay."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from tests.harness.gpu_defaults.recorded_graphs import (
     GraphCaptureError,
     GraphReplayError,
+    RecordedGraphBackend,
     host_memory,
     record,
 )
@@ -162,6 +164,78 @@ def test_replay_refuses_an_input_whose_storage_moved():
     buffer.untyped_storage().resize_(4096)  # the same tensor, its memory reallocated
     with pytest.raises(GraphReplayError, match="the graph reads a buffer whose storage moved after capture"):
         graph.replay()
+
+
+class _Head(torch.nn.Module):
+    """Reads a submodule's parameter and a tensor in a nested dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 4, bias=False)
+        self.tables = {"scale": {"per_column": torch.full((4,), 2.0)}}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.tables["scale"]["per_column"]
+
+
+class _Runner:
+    """A graph runner's state: an input buffer, a module, and a plain object holding a list."""
+
+    def __init__(self):
+        self.x = torch.zeros(2, 6)
+        self.head = _Head()
+        self.state = SimpleNamespace(offsets=[torch.ones(4)])
+
+    def forward(self) -> torch.Tensor:
+        return self.head(self.x) + self.state.offsets[0]
+
+
+def _replace_weight(runner: _Runner) -> torch.Tensor:
+    old = runner.head.proj.weight
+    runner.head.proj.weight = torch.nn.Parameter(old.detach() * 3, requires_grad=False)
+    return old
+
+
+def _replace_table_entry(runner: _Runner) -> torch.Tensor:
+    old = runner.head.tables["scale"]["per_column"]
+    runner.head.tables["scale"]["per_column"] = old * 3
+    return old
+
+
+def _replace_list_entry(runner: _Runner) -> torch.Tensor:
+    old = runner.state.offsets[0]
+    runner.state.offsets[0] = old * 3
+    return old
+
+
+def _replace_holder(runner: _Runner) -> torch.Tensor:
+    old = runner.state.offsets[0]
+    runner.state = SimpleNamespace(offsets=[old * 3])  # an object on the path replaced
+    return old
+
+
+@pytest.mark.parametrize(
+    ("replace", "path"),
+    [
+        (_replace_weight, "_Runner.head.proj.weight"),
+        (_replace_table_entry, "_Runner.head.tables['scale']['per_column']"),
+        (_replace_list_entry, "_Runner.state.offsets[0]"),
+        (_replace_holder, "_Runner.state.offsets[0]"),
+    ],
+)
+def test_the_backend_refuses_a_replay_after_a_tensor_it_reads_was_replaced(replace, path):
+    """The backend watches every tensor the graph reads that is reachable from its roots (a module's
+    parameters, dict and list entries, nested objects), not just the roots' own attributes: one
+    replaced after capture, the old one still alive, fails the replay naming its path."""
+    runner = _Runner()
+    backend = RecordedGraphBackend([runner], warmups=1)
+    backend.capture_one(1, runner.forward)
+    runner.x.copy_(torch.randn(2, 6, generator=torch.Generator().manual_seed(0)))
+    torch.testing.assert_close(backend.replay(1, None), runner.forward(), rtol=0, atol=0)  # the control
+    old = replace(runner)
+    with pytest.raises(GraphReplayError, match=re.escape(f"{path} was replaced after capture: the graph")):
+        backend.replay(1, None)
+    del old  # alive until here: the replay would have read it, stale, rather than freed memory
 
 
 @pytest.mark.parametrize(

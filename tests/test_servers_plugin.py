@@ -12,12 +12,21 @@ from sglang_frspec.demo.cpu import cpu_env
 from sglang_frspec.demo.server import plugin_activity
 from tests.harness import sampling_law as law
 from tests.harness.fixtures import random_fixture, sharp_draft_fixture
-from tests.harness.gpu_defaults.overlap import relayed_ranks
+from tests.harness.gpu_defaults.overlap import DECODE_LINE, first_relayed_topk_index, relayed_ranks
 from tests.harness.releases import cpu_verify_samples, draft_pick_op
 from tools.serving.greedy import compare_greedy
 
 pytestmark = pytest.mark.server
 NEW = 24
+# A PD decode node on SGLang's fake transfer backend: requests carry no prefill node's data. The
+# retraction backup SGLang infers for a decode node's KV pool, host_pool (mem_cache/
+# kv_cache_builder.py:228), registers its buffer as CUDA host memory; per-request CPU tensors
+# instead (no retraction happens here).
+FAKE_PD_DECODE = ("--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake",
+                  "--disaggregation-decode-retraction-backup", "cpu_tensor")  # fmt: skip
+# FAKE_BOOTSTRAP_HOST (disaggregation/utils.py): a request SGLang's decode node fakes the transfer
+# of. Without a host, the fake backend's own requests fail in ``_bootstrap_addr`` (decode.py:155).
+FAKE_BOOTSTRAP = {"bootstrap_host": "2.2.2.2", "bootstrap_room": 7}
 
 
 def assert_plugin_active(server, num_hot: int, tp: int, layout: str = "balanced", exchange: str = "full"):
@@ -242,6 +251,30 @@ def test_tp2_rejection_sampling_with_a_map(perm, start_server, tmp_path):
     assert_decoded_under_overlap(server, 2)
     warning = "exchange=topk cannot give rejection sampling the draft's whole hot distribution"
     assert server.log().count(warning) == 1
+
+
+def test_tp2_pd_decode_node_drafts_under_sglangs_decode_loop(perm, start_server, tmp_path):
+    """A plugin PD decode node (TP=2, a map, overlap on) runs SGLang's decode loop
+    (``event_loop_overlap_disagg_decode``) on the fake transfer backend, which skips the prefill and
+    the KV transfer and commits a metadata row of zeros: file position 0 for every first draft.
+    With the map's ids in reverse order in its file, the first draft step reads them as the plugin's
+    PD hook translates them (the file's first id, then its next distinct one: the last canonical
+    indices, not the raw zeros), and the request completes with speculative verifies."""
+    file_ids = torch.as_tensor(torch.load(perm.token_map("hot"))).flip(0)
+    token_map = str(tmp_path / "reversed.pt")
+    torch.save(file_ids, token_map)
+    server = start_server(perm, 2, token_map, extra=FAKE_PD_DECODE)
+    body = {"input_ids": list(perm.chain[:3]), "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
+    out = server.post("/generate", body | FAKE_BOOTSTRAP)
+    assert len(out["output_ids"]) == 8 and out["meta_info"]["spec_verify_ct"] > 0, out
+    assert_plugin_active(server, num_hot(token_map), 2)
+    log = server.log()
+    assert log.count(DECODE_LINE + "on") == 2  # both ranks' decode loop: the overlap one
+    assert "'disaggregation_mode': 'decode'" in log
+    file_order = list(dict.fromkeys(file_ids.tolist()))
+    hot = sorted(file_order)
+    translated = [[hot.index(file_order[0]), hot.index(file_order[1])]]
+    assert first_relayed_topk_index(log) == {0: translated, 1: translated}
 
 
 def test_tp2_chunked_prefill_and_retracted_requests(perm, start_server):

@@ -140,20 +140,27 @@ def _run_once(target: str, tp_size: int, payload, timeout: float, server_args: d
         return results
 
 
-def _init_rank(rank: int, tp_size: int, port: int, extra_args: dict) -> None:
-    from sglang.srt import runtime_context
-    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+_rank_setup: dict = {}  # this rank's number, TP size and ServerArgs fields, for ``republish``
+
+
+def _server_args(tp_size: int, extra_args: dict):
     from sglang.srt.server_args import ServerArgs
 
     from sglang_frspec.demo.fixtures import perm_fixture
 
-    args = ServerArgs(
+    return ServerArgs(
         model_path=perm_fixture().target,
         device="cpu",
         tp_size=tp_size,
         attention_backend="torch_native",
         **extra_args,
     )
+
+
+def _publish(args, rank: int) -> bool:
+    """Publish ``args`` for this rank; whether this release publishes ranks (0.5.20 does not)."""
+    from sglang.srt import runtime_context
+
     # SGLang 0.5.20 publishes no ranks, and its groups take their sizes as arguments (the group
     # cases that older releases run, the every_release tests, are plain TP groups).
     spawn_ranks = getattr(runtime_context, "SpawnRanks", None)
@@ -161,6 +168,20 @@ def _init_rank(rank: int, tp_size: int, port: int, extra_args: dict) -> None:
         runtime_context.publish(args, role="scheduler", ranks=spawn_ranks(world_rank=rank, gpu_id=rank))
     else:
         runtime_context.publish(args, role="scheduler")
+    return spawn_ranks is not None
+
+
+def republish(**fields) -> None:
+    """Publish this rank's ServerArgs again with ``fields`` changed (SGLang's publish is
+    last-publish-wins), so cases that differ in a setting read at start-up share one group."""
+    _publish(_server_args(_rank_setup["tp_size"], _rank_setup["server_args"] | fields), _rank_setup["rank"])
+
+
+def _init_rank(rank: int, tp_size: int, port: int, extra_args: dict) -> None:
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+
+    _rank_setup.update(rank=rank, tp_size=tp_size, server_args=extra_args)
+    publishes_ranks = _publish(_server_args(tp_size, extra_args), rank)
     init_distributed_environment(
         backend="gloo",
         world_size=tp_size,
@@ -168,7 +189,7 @@ def _init_rank(rank: int, tp_size: int, port: int, extra_args: dict) -> None:
         local_rank=rank,
         distributed_init_method=f"tcp://127.0.0.1:{port}",
     )
-    if spawn_ranks is not None:
+    if publishes_ranks:
         initialize_model_parallel()
     else:
         initialize_model_parallel(tensor_model_parallel_size=tp_size)
@@ -196,4 +217,7 @@ def _child(spec_path: str, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], int(sys.argv[2]))
+    # Run as imported, so that the cases' ``republish`` sees this rank's setup.
+    from tests.harness.tp_group import _child as child
+
+    child(sys.argv[1], int(sys.argv[2]))

@@ -23,6 +23,7 @@ Servers load it when ``site/`` is on ``PYTHONPATH`` and ``overlap_env`` named it
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -36,6 +37,7 @@ RELAY_GATHER = "sglang.srt.managers.overlap_utils.gather_spec_extras"
 RELAY_LINE = "frspec-gpu-defaults: overlap scheduler on, draft inputs relayed through the future map"
 RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 DECODE_LINE = "frspec-gpu-defaults: first decode batch, overlap scheduler "  # + "on" or "off"
+FIRST_RELAY_LINE = "frspec-gpu-defaults: first relayed draft input, topk_index "  # + its rows
 
 logger = logging.getLogger(__name__)
 _relayed = False  # the relay line is logged at the first gather of each scheduler
@@ -81,6 +83,9 @@ def gather_spec_extras(
     if not _relayed:
         _relayed = True
         logger.info(RELAY_LINE)
+        # What the first draft step reads: on a PD decode node, the draft input the node built
+        # from the received metadata (and the plugin translated), stashed for the next forward.
+        logger.info(FIRST_RELAY_LINE + "%s", topk_index_buf[indices].tolist())
     hidden = None if hidden_states_buf is None else hidden_states_buf[indices]
     return topk_p_buf[indices], topk_index_buf[indices], output_tokens_buf[indices], hidden
 
@@ -107,6 +112,12 @@ def overlap_env(env: dict) -> dict:
 def relayed_ranks(log: str) -> set[int]:
     """The TP ranks of a server log whose scheduler read draft inputs back from the future map."""
     return set(_lines_by_rank(log, re.escape(RELAY_LINE)))
+
+
+def first_relayed_topk_index(log: str) -> dict[int, list[list[int]]]:
+    """Each TP rank's first relayed ``topk_index`` rows (``FIRST_RELAY_LINE``)."""
+    rows = _lines_by_rank(log, re.escape(FIRST_RELAY_LINE) + r"(?P<rows>\[[-\d, \[\]]*\])")
+    return {rank: json.loads(m["rows"]) for rank, m in rows.items()}
 
 
 def ranks_not_under_overlap(log: str, speculative: bool) -> list[int]:

@@ -22,8 +22,10 @@ What a GPU refuses or breaks on, this refuses too:
   alive with the storage it had at capture (``GraphReplayError``); a graph holds addresses, not
   tensors, so the recording holds only weak references to those storages, as torch's
   ``torch/utils/_cuda_debug.py`` input-liveness checker does. ``RecordedGraphBackend`` also
-  checks that the runner's buffer attributes still hold the storages the graph reads: a buffer
-  replaced after capture is never read by a graph, even while the old one stays alive.
+  checks that every attribute reachable from the runner and the worker (modules' parameters and
+  buffers, tensor attributes, dict and list entries, nested objects) that held a storage the
+  graph reads still holds it: a tensor replaced after capture is never read by a graph, even
+  while the old one stays alive.
 
 Host memory. Every tensor here is on the CPU, and the stand-in runners' device is "cpu": a tensor
 is device memory unless it is host memory, which is what GPU code puts on the host explicitly.
@@ -47,9 +49,10 @@ reaches the recorder whole: it is decomposed, as with autograd on, so its host r
 Collectives (``c10d._allgather_base_``, ``c10d.allreduce_``, SGLang's ``sglang.*`` ops, torch's
 functional ``_c10d_functional.*``, ...) are recorded like any op; a replay re-issues them in the
 recorded order and waits on each returned work object or functional output before the next op
-reads it, as a stream orders them. At capture, a collective that returns a work object must
-complete within ``collective_timeout``: a rank that skips a collective the others issue would
-leave them waiting for the group's timeout (minutes), where a GPU's capture would hang.
+reads it, as a stream orders them. At capture, a collective (its work object, or the
+``wait_tensor`` on a functional collective's output) must complete within ``collective_timeout``:
+a rank that skips a collective the others issue would leave them waiting for the group's timeout
+(minutes), where a GPU's capture would hang.
 ``RecordedGraphBackend`` compares each capture's sequence of collectives across the ranks of its
 group at capture.
 """
@@ -58,8 +61,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import enum
 import hashlib
+import threading
 import traceback
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +90,7 @@ _HOST_READS = ("tolist", "numpy", "cpu")
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 # funcol's wrapper of a collective's output in an AsyncCollectiveTensor (a Python op, no storage).
 _WRAP_ASYNC = torch.ops._c10d_functional._wrap_tensor_autograd.default
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 # Where a custom op's own kernel is registered, below the dispatch key of this mode.
 _PYTHON_KERNEL_KEYS = ("CPU", "CompositeExplicitAutograd")
 _CPU_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -243,6 +250,7 @@ class _Recorder(TorchDispatchMode):
         self._slot_of: dict[int, int] = {}  # id(tensor) -> slot, for tensors seen in this capture
         self._seen: list[torch.Tensor] = []  # keeps the ids above unique until the capture ends
         self._owned_storages: set[int] = set()
+        self._functional_outputs: dict[int, str] = {}  # a functional collective's output -> its op
 
     def slot_of(self, t: torch.Tensor, reader: str) -> int:
         """The slot of ``t``; a tensor first seen here is memory the graph did not create."""
@@ -294,12 +302,14 @@ class _Recorder(TorchDispatchMode):
         recorded_args = [
             ("slot", self.slot_of(x, name)) if isinstance(x, torch.Tensor) else x for x in leaves
         ]
-        out = func(*args, **kwargs)
+        out = self._wait_tensor_for_every_rank(args[0]) if func is _WAIT_TENSOR else func(*args, **kwargs)
         results, _ = tree_flatten(out)
         outputs: list[int | None] = []
         for result in results:
             if _is_work(result):
                 self._wait_for_every_rank(result, name)
+            elif func.namespace == "_c10d_functional" and isinstance(result, torch.Tensor):
+                self._functional_outputs[_storage_address(result)] = name
             if not isinstance(result, torch.Tensor):
                 outputs.append(None)
             elif id(result) in self._slot_of:
@@ -316,12 +326,39 @@ class _Recorder(TorchDispatchMode):
         try:
             torch._C._distributed_c10d.Work.unbox(work).wait(self.collective_timeout)
         except RuntimeError as e:
-            seconds = self.collective_timeout.total_seconds()
-            raise GraphCaptureError(
-                f"{name} did not complete within {seconds:g} s of a graph capture: a rank that skips a "
-                f"collective inside a capture leaves the others waiting (on a GPU, a hung capture); "
-                f"at {_caller()}: {e}"
-            ) from e
+            raise self._not_completed(name, str(e)) from e
+
+    def _wait_tensor_for_every_rank(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``wait_tensor`` on a functional collective's output, within ``collective_timeout``: it
+        takes no timeout (it waits for the group's), so it waits in a thread that a skipped
+        collective leaves blocked until the group's timeout frees it."""
+        done, result = threading.Event(), {}
+        inference = torch.is_inference_mode_enabled()
+
+        def wait() -> None:
+            try:
+                with torch.inference_mode(inference):
+                    result["tensor"] = _WAIT_TENSOR(tensor)
+            except BaseException as e:  # handed to the capturing thread
+                result["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="recorded-graph-wait_tensor", daemon=True).start()
+        name = self._functional_outputs.get(_storage_address(tensor), str(_WAIT_TENSOR))
+        if not done.wait(self.collective_timeout.total_seconds()):
+            raise self._not_completed(name, "its wait_tensor is still waiting")
+        if "error" in result:
+            raise self._not_completed(name, str(result["error"])) from result["error"]
+        return result["tensor"]
+
+    def _not_completed(self, name: str, detail: str) -> GraphCaptureError:
+        seconds = self.collective_timeout.total_seconds()
+        return GraphCaptureError(
+            f"{name} did not complete within {seconds:g} s of a graph capture: a rank that skips a "
+            f"collective inside a capture leaves the others waiting (on a GPU, a hung capture); "
+            f"at {_caller()}: {detail}"
+        )
 
     def _host_op(self, func, args, kwargs) -> Any:
         """An op on host memory only: on a GPU the CPU runs it once, at capture, and the graph holds
@@ -483,20 +520,108 @@ def record(
     return graph, out
 
 
+_WALK_DEPTH = 16  # attribute hops from a root: well past a runner's path to a layer's weight
+_MISSING = object()
+# Objects with a __dict__ that holds no state a graph reads: code, enum members, weak references.
+_NOT_STATE = (type, types.ModuleType, types.FunctionType, types.MethodType, weakref.ref, enum.Enum)
+
+
+@dataclass(frozen=True)
+class _Watch:
+    """A tensor attribute the graph reads, reached from a root by ``steps`` (("attr" | "item", key))."""
+
+    root: weakref.ref
+    steps: tuple[tuple[str, Any], ...]
+    address: int
+    path: str
+
+
+def _children(obj: Any) -> Iterator[tuple[tuple[str, Any], Any]]:
+    """The (step, value) pairs below ``obj``: a module's parameters, buffers, submodules and other
+    attributes; a dict's, list's or tuple's items; a plain object's attributes."""
+    if isinstance(obj, torch.nn.Module):
+        for table in ("_parameters", "_buffers", "_modules"):
+            for name, value in vars(obj)[table].items():
+                yield ("attr", name), value
+        for name, value in vars(obj).items():
+            if name not in ("_parameters", "_buffers", "_modules"):
+                yield ("attr", name), value
+    elif isinstance(obj, dict):
+        for key, value in list(obj.items()):
+            yield ("item", key), value
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield ("item", index), value
+    else:
+        for name, value in list(vars(obj).items()):
+            yield ("attr", name), value
+
+
+def _holds_state(value: Any) -> bool:
+    """Whether the walk descends into ``value``: a module, a container, or a plain object (not
+    code, not torch's own objects, not a recording: a graph's own memory is no input of it)."""
+    if isinstance(value, (torch.nn.Module, dict, list, tuple)):
+        return True
+    if isinstance(value, (_NOT_STATE, RecordedGraph, RecordedGraphBackend)):
+        return False
+    plain = isinstance(getattr(value, "__dict__", None), dict)
+    return plain and not type(value).__module__.startswith("torch")
+
+
+def _path(root: object, steps: tuple[tuple[str, Any], ...]) -> str:
+    return type(root).__name__ + "".join(f".{key}" if kind == "attr" else f"[{key!r}]" for kind, key in steps)
+
+
+def _resolve(root: object, steps: tuple[tuple[str, Any], ...]) -> Any:
+    """What ``steps`` from ``root`` lead to now (``_MISSING`` where a step no longer exists)."""
+    obj = root
+    for kind, key in steps:
+        try:
+            obj = getattr(obj, key) if kind == "attr" else obj[key]
+        except (AttributeError, KeyError, IndexError, TypeError):
+            return _MISSING
+    return obj
+
+
+def _watches(roots: Sequence[object], read: set[int]) -> list[_Watch]:
+    """Every tensor attribute reachable from ``roots`` whose storage is in ``read``, each by its
+    shortest path (breadth first, each object walked once)."""
+    watches: list[_Watch] = []
+    visited: set[int] = set()
+    level = [(root, root, ()) for root in roots]
+    for _ in range(_WALK_DEPTH + 1):
+        below = []
+        for root, obj, steps in level:
+            if id(obj) in visited:
+                continue
+            visited.add(id(obj))
+            for step, value in _children(obj):
+                if isinstance(value, torch.Tensor):
+                    address, path = _storage_address(value), steps + (step,)
+                    if address in read:
+                        watches.append(_Watch(weakref.ref(root), path, address, _path(root, path)))
+                elif _holds_state(value):
+                    below.append((root, value, steps + (step,)))
+        level = below
+    return watches
+
+
 class RecordedGraphBackend(BaseCudaGraphBackend):
     """An SGLang graph backend that captures by recording ops and replays the recording.
 
-    ``buffer_owners``: objects (the runner, its ``buffers``) whose tensor attributes the runner
-    copies each batch into; at replay each attribute whose storage the graph reads must still
-    hold it. ``group``: a process group (SGLang's ``tp_group.cpu_group``) over which each
-    capture's sequence of collectives must be identical.
+    ``roots``: objects (the runner, its ``buffers``, the worker) from which every tensor the graph
+    reads is watched: their attributes, items and those of the modules and plain objects they
+    hold, down to ``_WALK_DEPTH`` hops. At replay each path that led to a storage the graph reads
+    must still lead to it: a tensor replaced after capture is never read by a graph, even while
+    the old one stays alive. ``group``: a process group (SGLang's ``tp_group.cpu_group``) over
+    which each capture's sequence of collectives must be identical.
     """
 
-    def __init__(self, buffer_owners: Sequence[object] = (), group: dist.ProcessGroup | None = None,
+    def __init__(self, roots: Sequence[object] = (), group: dist.ProcessGroup | None = None,
                  warmups: int = 2):  # fmt: skip
         self.graphs: dict[Any, RecordedGraph] = {}
-        self.watched: dict[Any, list[tuple[weakref.ref, str, int]]] = {}
-        self.buffer_owners = list(buffer_owners)
+        self.watched: dict[Any, list[_Watch]] = {}
+        self.roots = list(roots)
         self.group = group
         self.warmups = warmups  # SGLang's full backend runs the function twice before capturing
 
@@ -521,13 +646,7 @@ class RecordedGraphBackend(BaseCudaGraphBackend):
         graph, _ = record(forward_fn)
         self._check_collectives_agree(shape_key, graph)
         self.graphs[shape_key] = graph
-        read = graph.external_storages()
-        self.watched[shape_key] = [
-            (weakref.ref(owner), name, _storage_address(value))
-            for owner in self.buffer_owners
-            for name, value in vars(owner).items()
-            if isinstance(value, torch.Tensor) and _storage_address(value) in read
-        ]
+        self.watched[shape_key] = _watches(self.roots, set(graph.external_storages()))
 
     def _check_collectives_agree(self, shape_key, graph: RecordedGraph) -> None:
         if self.group is None or dist.get_world_size(self.group) == 1:
@@ -547,14 +666,14 @@ class RecordedGraphBackend(BaseCudaGraphBackend):
         yield
 
     def replay(self, shape_key, static_forward_batch, **kwargs) -> Any:
-        for owner_ref, name, address in self.watched[shape_key]:
-            owner = owner_ref()
-            now = getattr(owner, name, None) if owner is not None else None
-            if not isinstance(now, torch.Tensor) or _storage_address(now) != address:
-                current = f"{_storage_address(now):#x}" if isinstance(now, torch.Tensor) else repr(now)
+        for watch in self.watched[shape_key]:
+            root = watch.root()
+            now = _MISSING if root is None else _resolve(root, watch.steps)
+            if not isinstance(now, torch.Tensor) or _storage_address(now) != watch.address:
+                current = f"{_storage_address(now):#x}" if isinstance(now, torch.Tensor) else "nothing"
                 raise GraphReplayError(
-                    f"{type(owner).__name__}.{name} was replaced after capture: the graph reads the "
-                    f"storage at {address:#x}, it now holds {current}"
+                    f"{watch.path} was replaced after capture: the graph reads the storage at "
+                    f"{watch.address:#x}, it now holds {current}"
                 )
         return self.graphs[shape_key].replay()
 
