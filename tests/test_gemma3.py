@@ -1,8 +1,8 @@
 """Gemma 3 270M, a real pretrained model (262144-id vocab, tied LM head), served on CPU.
 
 The fixture (``sglang_frspec/demo/gemma3.py``) converts the packaged GGUF once and records HF
-float32 greedy continuations of the demo's and held-out prompts; its perplexity on held-out prose
-is checked here (off the demo's path). Here
+float32 greedy continuations of the demo's and held-out prompts; ``gemma3_checks`` records, off the
+demo's path, its perplexity on held-out prose and a prompt past the sliding window. Here
 SGLang's plain greedy decoding at TP=1 must equal that reference, and the README's main job
 (``sglang-frspec demo``, whose default is this model at TP=2: plain greedy, stock EAGLE without a
 map, EAGLE + a 32768-id map through the plugin) must decode every run as plain greedy and plain
@@ -34,8 +34,8 @@ from sglang_frspec.demo.gemma3 import (
     MAX_PERPLEXITY,
     NEW_TOKENS,
     SERVER_ARGS,
+    gemma3_checks,
     gemma3_fixture,
-    held_out_perplexity,
 )
 from sglang_frspec.demo.server import plugin_activity
 from tests.conftest import fixture_server
@@ -61,13 +61,18 @@ def gemma3():
 
 
 @pytest.fixture(scope="module")
-def plain_tp1(gemma3, tmp_path_factory):
+def checks():
+    return gemma3_checks()
+
+
+@pytest.fixture(scope="module")
+def plain_tp1(gemma3, checks, tmp_path_factory):
     """Every prompt, then the prompt past the sliding window, decoded greedily in one batch by a
     plain TP=1 server with torch.compile on (the CPU environment turns it off: Gemma 3's rotary
     embedding is compiled, and the CPU site's ``torch.get_device_module`` must trace). One server
     compiles here rather than the demo's three: each compiling server costs about 20 s more."""
     log = tmp_path_factory.mktemp("gemma3-plain") / "tp1.log"
-    prompts = [*gemma3.prompts, gemma3.past_window[0]]
+    prompts = [*gemma3.prompts, checks["past_window"]["prompt"]]
     compile_on = {"TORCHDYNAMO_DISABLE": "0"}
     with fixture_server(gemma3, 1, log, extra=SERVER_ARGS, eagle=False, env=compile_on) as server:
         return [o["output_ids"] for o in server.generate(prompts, NEW_TOKENS, ignore_eos=True)]
@@ -88,10 +93,10 @@ def demo(gemma3, tmp_path_factory):
     return {"stdout": stdout.getvalue(), **json.loads((folder / "demo.json").read_text())}
 
 
-def test_fixture_is_the_converted_model_with_a_prompt_past_the_sliding_window(gemma3):
+def test_fixture_is_the_converted_model_with_a_prompt_past_the_sliding_window(gemma3, checks):
     # A broken conversion (norms left as 1 + w, a permuted Q/K, no BOS) gives hundreds or more.
-    assert held_out_perplexity(gemma3.target) < MAX_PERPLEXITY
-    past_prompt, past_reference = gemma3.past_window
+    assert checks["perplexity"] < MAX_PERPLEXITY
+    past_prompt, past_reference = checks["past_window"]["prompt"], checks["past_window"]["greedy"]
     assert all(p[0] == 2 for p in [*gemma3.prompts, past_prompt])  # BOS (id 2) leads every prompt
     assert all(len(r) == NEW_TOKENS for r in [*gemma3.reference, past_reference])
     config = json.loads((Path(gemma3.target) / "config.json").read_text())
@@ -103,9 +108,9 @@ def test_plain_greedy_at_tp1_equals_transformers(gemma3, plain_tp1):
     compare_greedy(gemma3.target, gemma3.prompts, plain_tp1[:-1], gemma3.reference, HF_TIE_EPSILON)
 
 
-def test_plain_greedy_past_the_sliding_window_equals_transformers(gemma3, plain_tp1):
+def test_plain_greedy_past_the_sliding_window_equals_transformers(gemma3, checks, plain_tp1):
     """700 prompt tokens and 48 generated: every step of the sliding-window layers sees the window."""
-    past_prompt, past_reference = gemma3.past_window
+    past_prompt, past_reference = checks["past_window"]["prompt"], checks["past_window"]["greedy"]
     compare_greedy(gemma3.target, [past_prompt], plain_tp1[-1:], [past_reference], HF_TIE_EPSILON)
 
 
