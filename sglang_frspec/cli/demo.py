@@ -5,7 +5,10 @@ reference), stock EAGLE without a map (what TP users run today, since a map cras
 EAGLE + token map with this plugin. Prints a few prompts and the text each run generates, and for
 each run, one request at a time (latency, what speculative decoding is for) and all requests at
 once (throughput, where plain decoding batches well): whether its outputs equal plain greedy
-decoding, the accept length, tokens/s and the ratio to plain decoding.
+decoding, the accept length, tokens/s, the ratio to stock EAGLE (the plugin's contribution: the
+FR-Spec effect), one request at a time this host's break-even accept length (a speculative cycle's
+cost in plain decode steps, measured in this run), and last the ratio to plain decoding, which the
+host and the draft decide: EAGLE wins where the draft's accept length is above the break-even.
 
 The default model is Gemma 3 270M (262144-id vocab), a real pretrained model built once from the
 package index into the cache (``sglang_frspec/demo/gemma3.py``), with the EAGLE draft trained for it
