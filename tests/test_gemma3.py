@@ -148,6 +148,28 @@ def test_demo_shows_the_text_each_run_generates(demo):
     assert "all outputs equal plain greedy decoding" in demo["stdout"]
 
 
+def test_demo_prints_the_fr_spec_effect_first_then_the_hosts_break_even(demo):
+    """The run's own figures, one request at a time: the plugin against stock EAGLE first, then the
+    host's break-even accept length (a cycle's seconds over a plain step's, from the demo's JSON)
+    against the draft's, then the ratio to plain decoding, which the two decide."""
+    plain, stock, plugin = (demo["runs"][name]["one_at_a_time"] for name in (PLAIN, STOCK, PLUGIN))
+    step = plain["seconds"] / sum(len(o) for o in plain["outputs"])
+    even = plugin["seconds"] / plugin["cycles"] / step
+    accept = sum(len(o) for o in plugin["outputs"]) / plugin["cycles"]
+    lines = demo["stdout"].splitlines()
+    effect = next(i for i, line in enumerate(lines) if "FR-Spec effect" in line)
+    host = next(i for i, line in enumerate(lines) if "this host's break-even accept length" in line)
+    against = next(i for i, line in enumerate(lines) if "against plain decoding" in line)
+    assert effect < host < against
+    assert f"runs {plugin['tokens_per_s'] / stock['tokens_per_s']:.2f}x stock EAGLE" in lines[effect]
+    assert f"break-even accept length: {even:.2f} " in lines[host]
+    assert lines[host].endswith(f"the draft's: {accept:.2f}")
+    ratio = plugin["tokens_per_s"] / plain["tokens_per_s"]
+    assert ratio == pytest.approx(accept / even)  # the cost model: a * t_plain / t_cycle
+    assert ("beats it here" if accept > even else "does not beat it here") in lines[against]
+    assert f"{ratio:.2f}x" in lines[against]
+
+
 @pytest.mark.every_release
 @pytest.mark.skipif(
     pinned_sglang() == INSTALLED, reason="the demo's tests above check it on the pinned release, stock beside"
