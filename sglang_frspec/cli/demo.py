@@ -79,10 +79,10 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--one-at-a-time",
         type=int,
-        default=4,
+        default=2,
         metavar="N",
         help="also time the first N prompts one request at a time, the latency speculative decoding "
-        "is for (default 4; 0: only the concurrent batch)",
+        "is for, and the host's break-even accept length (default 2; 0: only the concurrent batch)",
     )
     p.add_argument(
         "--max-new-tokens",
@@ -314,7 +314,8 @@ def run(args: argparse.Namespace, launch: Launch = new_python) -> int:
     except SystemExit as e:
         print(e, file=sys.stderr)
         return 2
-    seconds = {"model": time.monotonic() - started, "server starts": 0.0, "measuring": 0.0}
+    seconds = dict.fromkeys(("model", "server starts", "measuring", "server stops"), 0.0)
+    seconds["model"] = time.monotonic() - started
     print(f"model ready in {seconds['model']:.0f} s", flush=True)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sglang-frspec-demo-"))
     base = ["--model-path", args.model_path, "--tp-size", str(args.tp)]
@@ -330,10 +331,14 @@ def run(args: argparse.Namespace, launch: Launch = new_python) -> int:
             measuring = time.monotonic()
             results[name] = _measure(server, work.prompts, args.max_new_tokens, args.one_at_a_time)
             results[name]["plugin"] = plugin_activity(server.log())
-            measured = time.monotonic() - measuring
-        seconds["server starts"] += server.ready_after
+            stopping = time.monotonic()
+        stopped = time.monotonic() - stopping
+        measured = stopping - measuring
+        ready = server.ready_after
+        seconds["server starts"] += ready
         seconds["measuring"] += measured
-        print(f"      ready in {server.ready_after:.0f} s, measured in {measured:.0f} s", flush=True)
+        seconds["server stops"] += stopped
+        print(f"    ready in {ready:.0f} s, measured in {measured:.0f} s, stopped in {stopped:.0f} s")
     reference = results[runs[0][0]]
     print(f"\nmodel {args.model_path}\ndraft {args.draft_model_path}\ntoken map {args.token_map}")
     print(f"EAGLE {spec['steps']} steps, topk {spec['topk']}, {spec['draft_tokens']} draft tokens")
@@ -346,8 +351,9 @@ def run(args: argparse.Namespace, launch: Launch = new_python) -> int:
     ok &= _show_table(results, reference, len(work.prompts))
     print("\nall outputs equal plain greedy decoding" if ok else "\nMISMATCH: see above")
     print("\n" + "\n".join(verdict(results)))
+    total = time.monotonic() - started
     phases = ", ".join(f"{phase} {s:.0f} s" for phase, s in seconds.items())
-    print(f"\ndemo: {time.monotonic() - started:.0f} s ({phases})")
+    print(f"\ndemo: {total:.0f} s ({phases}, the rest {total - sum(seconds.values()):.0f} s)")
     if args.json:
         payload = {"prompts": work.prompts, "expected": work.expected, "runs": results}
         Path(args.json).write_text(json.dumps(payload, indent=1))
