@@ -205,7 +205,7 @@ def pytest_runtest_makereport(item, call):
 # quarter), and the first test that needs the fixture waits for it on cached_build's lock instead
 # of building it again. Logs: <cache>/background-builds/.
 BACKGROUND_BUILDS = {
-    "sglang_frspec.demo.gemma3.gemma3_fixture": ("test_gemma3.py",),
+    "sglang_frspec.demo.gemma3.gemma3_checks": ("test_gemma3.py",),  # the fixture, then its checks
     "tools.draft_training.trained_fixture.trained_fixture": ("test_trained.py", "test_benchmarks.py"),
 }
 _BACKGROUND_BUILDERS: list[subprocess.Popen] = []

@@ -1,7 +1,8 @@
 """Gemma 3 270M, a real pretrained model (262144-id vocab, tied LM head), served on CPU.
 
-The fixture (``sglang_frspec/demo/gemma3.py``) converts the packaged GGUF once, checks its
-perplexity and records HF float32 greedy continuations of the demo's and held-out prompts. Here
+The fixture (``sglang_frspec/demo/gemma3.py``) converts the packaged GGUF once and records HF
+float32 greedy continuations of the demo's and held-out prompts; ``gemma3_checks`` records, off the
+demo's path, its perplexity on held-out prose and a prompt past the sliding window. Here
 SGLang's plain greedy decoding at TP=1 must equal that reference, and the README's main job
 (``sglang-frspec demo``, whose default is this model at TP=2: plain greedy, stock EAGLE without a
 map, EAGLE + a 32768-id map through the plugin) must decode every run as plain greedy and plain
@@ -29,7 +30,13 @@ import pytest
 
 from sglang_frspec.cli import build_parser
 from sglang_frspec.cli import demo as demo_command
-from sglang_frspec.demo.gemma3 import MAX_PERPLEXITY, NEW_TOKENS, SERVER_ARGS, gemma3_fixture
+from sglang_frspec.demo.gemma3 import (
+    MAX_PERPLEXITY,
+    NEW_TOKENS,
+    SERVER_ARGS,
+    gemma3_checks,
+    gemma3_fixture,
+)
 from sglang_frspec.demo.server import plugin_activity
 from tests.conftest import fixture_server
 from tests.harness.gpu_defaults.overlap import relayed_ranks
@@ -54,13 +61,18 @@ def gemma3():
 
 
 @pytest.fixture(scope="module")
-def plain_tp1(gemma3, tmp_path_factory):
+def checks():
+    return gemma3_checks()
+
+
+@pytest.fixture(scope="module")
+def plain_tp1(gemma3, checks, tmp_path_factory):
     """Every prompt, then the prompt past the sliding window, decoded greedily in one batch by a
     plain TP=1 server with torch.compile on (the CPU environment turns it off: Gemma 3's rotary
     embedding is compiled, and the CPU site's ``torch.get_device_module`` must trace). One server
     compiles here rather than the demo's three: each compiling server costs about 20 s more."""
     log = tmp_path_factory.mktemp("gemma3-plain") / "tp1.log"
-    prompts = [*gemma3.prompts, gemma3.past_window[0]]
+    prompts = [*gemma3.prompts, checks["past_window"]["prompt"]]
     compile_on = {"TORCHDYNAMO_DISABLE": "0"}
     with fixture_server(gemma3, 1, log, extra=SERVER_ARGS, eagle=False, env=compile_on) as server:
         return [o["output_ids"] for o in server.generate(prompts, NEW_TOKENS, ignore_eos=True)]
@@ -81,9 +93,10 @@ def demo(gemma3, tmp_path_factory):
     return {"stdout": stdout.getvalue(), **json.loads((folder / "demo.json").read_text())}
 
 
-def test_fixture_is_the_converted_model_with_a_prompt_past_the_sliding_window(gemma3):
-    assert gemma3.report["perplexity"] < MAX_PERPLEXITY  # checked by the build, on held-out prose
-    past_prompt, past_reference = gemma3.past_window
+def test_fixture_is_the_converted_model_with_a_prompt_past_the_sliding_window(gemma3, checks):
+    # A broken conversion (norms left as 1 + w, a permuted Q/K, no BOS) gives hundreds or more.
+    assert checks["perplexity"] < MAX_PERPLEXITY
+    past_prompt, past_reference = checks["past_window"]["prompt"], checks["past_window"]["greedy"]
     assert all(p[0] == 2 for p in [*gemma3.prompts, past_prompt])  # BOS (id 2) leads every prompt
     assert all(len(r) == NEW_TOKENS for r in [*gemma3.reference, past_reference])
     config = json.loads((Path(gemma3.target) / "config.json").read_text())
@@ -95,9 +108,9 @@ def test_plain_greedy_at_tp1_equals_transformers(gemma3, plain_tp1):
     compare_greedy(gemma3.target, gemma3.prompts, plain_tp1[:-1], gemma3.reference, HF_TIE_EPSILON)
 
 
-def test_plain_greedy_past_the_sliding_window_equals_transformers(gemma3, plain_tp1):
+def test_plain_greedy_past_the_sliding_window_equals_transformers(gemma3, checks, plain_tp1):
     """700 prompt tokens and 48 generated: every step of the sliding-window layers sees the window."""
-    past_prompt, past_reference = gemma3.past_window
+    past_prompt, past_reference = checks["past_window"]["prompt"], checks["past_window"]["greedy"]
     compare_greedy(gemma3.target, [past_prompt], plain_tp1[-1:], [past_reference], HF_TIE_EPSILON)
 
 
@@ -133,6 +146,28 @@ def test_demo_shows_the_text_each_run_generates(demo):
     assert "prompt 1: 'The capital of France is'" in demo["stdout"]
     assert "plain greedy equals Transformers' float32 greedy decoding: yes" in demo["stdout"]
     assert "all outputs equal plain greedy decoding" in demo["stdout"]
+
+
+def test_demo_prints_the_fr_spec_effect_first_then_the_hosts_break_even(demo):
+    """The run's own figures, one request at a time: the plugin against stock EAGLE first, then the
+    host's break-even accept length (a cycle's seconds over a plain step's, from the demo's JSON)
+    against the draft's, then the ratio to plain decoding, which the two decide."""
+    plain, stock, plugin = (demo["runs"][name]["one_at_a_time"] for name in (PLAIN, STOCK, PLUGIN))
+    step = plain["seconds"] / sum(len(o) for o in plain["outputs"])
+    even = plugin["seconds"] / plugin["cycles"] / step
+    accept = sum(len(o) for o in plugin["outputs"]) / plugin["cycles"]
+    lines = demo["stdout"].splitlines()
+    effect = next(i for i, line in enumerate(lines) if "FR-Spec effect" in line)
+    host = next(i for i, line in enumerate(lines) if "this host's break-even accept length" in line)
+    against = next(i for i, line in enumerate(lines) if "against plain decoding" in line)
+    assert effect < host < against
+    assert f"runs {plugin['tokens_per_s'] / stock['tokens_per_s']:.2f}x stock EAGLE" in lines[effect]
+    assert f"break-even accept length: {even:.2f} " in lines[host]
+    assert lines[host].endswith(f"the draft's: {accept:.2f}")
+    ratio = plugin["tokens_per_s"] / plain["tokens_per_s"]
+    assert ratio == pytest.approx(accept / even)  # the cost model: a * t_plain / t_cycle
+    assert ("beats it here" if accept > even else "does not beat it here") in lines[against]
+    assert f"{ratio:.2f}x" in lines[against]
 
 
 @pytest.mark.every_release

@@ -5,7 +5,10 @@ reference), stock EAGLE without a map (what TP users run today, since a map cras
 EAGLE + token map with this plugin. Prints a few prompts and the text each run generates, and for
 each run, one request at a time (latency, what speculative decoding is for) and all requests at
 once (throughput, where plain decoding batches well): whether its outputs equal plain greedy
-decoding, the accept length, tokens/s and the ratio to plain decoding.
+decoding, the accept length, tokens/s, the ratio to stock EAGLE (the plugin's contribution: the
+FR-Spec effect), one request at a time this host's break-even accept length (a speculative cycle's
+cost in plain decode steps, measured in this run), and last the ratio to plain decoding, which the
+host and the draft decide: EAGLE wins where the draft's accept length is above the break-even.
 
 The default model is Gemma 3 270M (262144-id vocab), a real pretrained model built once from the
 package index into the cache (``sglang_frspec/demo/gemma3.py``), with the EAGLE draft trained for it
@@ -22,6 +25,7 @@ import os
 import shlex
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from sglang_frspec.demo.timing import timed_batch, warm_up
 
 SHOWN_PROMPTS = 4  # prompts whose text the demo prints
 DEFAULT_SPEC = (2, 2, 4)  # EAGLE steps, topk, draft tokens where the model names none
+PLAIN, STOCK, PLUGIN = "plain greedy (reference)", "EAGLE, no map (stock)", "EAGLE + map (sglang-frspec)"
 
 
 @dataclass
@@ -75,10 +80,10 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--one-at-a-time",
         type=int,
-        default=4,
+        default=2,
         metavar="N",
         help="also time the first N prompts one request at a time, the latency speculative decoding "
-        "is for (default 4; 0: only the concurrent batch)",
+        "is for, and the host's break-even accept length (default 2; 0: only the concurrent batch)",
     )
     p.add_argument(
         "--max-new-tokens",
@@ -142,6 +147,21 @@ def _workload(args) -> Workload:
     return Workload([{"text": DEMO_PROMPTS[i % len(DEMO_PROMPTS)]} for i in range(args.requests)])
 
 
+def break_even(plain: dict, spec: dict) -> float:
+    """The accept length at which ``spec`` decodes as fast as ``plain``: a speculative cycle's
+    cost in plain decode steps, ``t_cycle / t_plain``, from ``batch_figures`` of one request at a time.
+
+    The cost model of ``benchmarks/cycle_profile.py`` (``predicted_ratio``; docs/benchmarks.md,
+    "Where a cycle's time goes", found it within 5% of the measured ratios): a cycle commits ``a``
+    tokens (the accept length) where a plain step commits one, so tokens/s over plain decoding's
+    is ``a * t_plain / t_cycle``, above 1 exactly when ``a > t_cycle / t_plain``. Here, with one
+    request at a time, ``t_plain`` = plain's seconds / its tokens (one step per token) and
+    ``t_cycle`` = ``spec``'s seconds / its verify cycles; the one prefill each request starts with
+    (its prompt cached by the concurrent batch before) is inside both, as its token is inside
+    SGLang's accept length."""
+    return (spec["seconds"] / spec["cycles"]) / (plain["seconds"] / plain["tokens"])
+
+
 def _measure(server: SGLangServer, prompts: list[dict], max_new_tokens: int, one_at_a_time: int) -> dict:
     """Every prompt at once (throughput), then the first ``one_at_a_time`` prompts one after another
     (latency: what speculative decoding is for) under ``"one_at_a_time"``."""
@@ -162,11 +182,10 @@ def _spec(args, default_spec: tuple[int, int, int]) -> dict[str, int]:
 
 def _runs(args, spec: dict[str, int]) -> list[tuple[str, list[str], bool]]:
     """(name, EAGLE arguments, plugin loaded) of each server the demo starts."""
-    runs = [("plain greedy (reference)", [], False)]
+    runs = [(PLAIN, [], False)]
     if not args.skip_stock:
-        runs.append(("EAGLE, no map (stock)", eagle_args(args.draft_model_path, **spec), False))
-    with_map = eagle_args(args.draft_model_path, args.token_map, **spec)
-    runs.append(("EAGLE + map (sglang-frspec)", with_map, True))
+        runs.append((STOCK, eagle_args(args.draft_model_path, **spec), False))
+    runs.append((PLUGIN, eagle_args(args.draft_model_path, args.token_map, **spec), True))
     return runs
 
 
@@ -194,33 +213,84 @@ def _show_texts(work: Workload, results: dict) -> None:
             print(f"  {name:<28} {'(same as plain greedy)' if same else repr(body)}")
 
 
+def _ratio(result: dict, other: dict) -> float:
+    return result["tokens_per_s"] / other["tokens_per_s"]
+
+
 def _show_table(results: dict, reference: dict, concurrent: int) -> bool:
     """Each run in each mode: whether it equals plain greedy decoding in that mode, its accept
-    length, tokens/s and their ratio to plain decoding's. Returns whether every run matched."""
-    modes = [(f"{concurrent} at once", lambda r: r)]
+    length, tokens/s, their ratio to stock EAGLE's (the plugin's contribution) and, one request at
+    a time, the break-even accept length of this host; last, the ratio to plain decoding's (this
+    host's and the draft's). Returns whether every run matched."""
+    modes = [(f"{concurrent} at once", lambda r: r, False)]
     if "one_at_a_time" in reference:
-        modes.insert(0, ("one at a time", lambda r: r["one_at_a_time"]))
+        modes.insert(0, ("one at a time", lambda r: r["one_at_a_time"], True))
     ok = True
-    for title, pick in modes:
-        print(f"\n{title + ':':<30} {'matches greedy':>14} {'accept len':>10} {'tokens/s':>9} {'x plain':>8}")
-        plain = pick(reference)
+    for title, pick, alone in modes:
+        print(
+            f"\n{title + ':':<30} {'matches greedy':>14} {'accept len':>10} {'tokens/s':>9} {'x stock':>8}"
+            f" {'break-even':>10} {'x plain':>8}"
+        )
+        plain, stock = pick(reference), pick(results[STOCK]) if STOCK in results else None
         for name, result in results.items():
             mode = pick(result)
             same = mode["outputs"] == plain["outputs"]
             ok &= same
-            accept = "-" if mode["accept_length"] is None else f"{mode['accept_length']:.2f}"
-            tps, ratio = mode["tokens_per_s"], mode["tokens_per_s"] / plain["tokens_per_s"]
-            print(f"  {name:<28} {'yes' if same else 'NO':>14} {accept:>10} {tps:>9.1f} {ratio:>7.2f}x")
+            spec = mode["cycles"] is not None
+            accept = f"{mode['accept_length']:.2f}" if spec else "-"
+            x_stock = f"{_ratio(mode, stock):.2f}x" if spec and stock else "-"
+            even = f"{break_even(plain, mode):.2f}" if spec and alone else "-"
+            print(
+                f"  {name:<28} {'yes' if same else 'NO':>14} {accept:>10} {mode['tokens_per_s']:>9.1f}"
+                f" {x_stock:>8} {even:>10} {_ratio(mode, plain):>7.2f}x"
+            )
     return ok
+
+
+def verdict(results: dict) -> list[str]:
+    """What the one-request-at-a-time figures say: the plugin's contribution first (EAGLE + map
+    against stock EAGLE, at the accept length both get from the same draft), then why EAGLE wins or
+    loses against plain decoding on this host (the draft's accept length against the host's
+    break-even, ``break_even``)."""
+    if "one_at_a_time" not in results[PLAIN]:
+        return ["no break-even measured: it is measured one request at a time (--one-at-a-time 0)"]
+    plain, plugin = results[PLAIN]["one_at_a_time"], results[PLUGIN]["one_at_a_time"]
+    even, accept = break_even(plain, plugin), plugin["accept_length"]
+    lines = ["one request at a time:"]
+    if STOCK in results:
+        stock = results[STOCK]["one_at_a_time"]
+        lines.append(
+            f"  FR-Spec effect (the plugin's contribution): EAGLE + map runs {_ratio(plugin, stock):.2f}x "
+            f"stock EAGLE ({plugin['tokens_per_s']:.1f} against {stock['tokens_per_s']:.1f} tokens/s) at "
+            f"accept length {accept:.2f} against {stock['accept_length']:.2f}: the map cuts a cycle from "
+            f"{break_even(plain, stock):.2f} to {even:.2f} plain decode steps"
+        )
+    else:
+        lines.append("  FR-Spec effect: not measured (--skip-stock: no stock EAGLE to set the map against)")
+    t_cycle, t_plain = plugin["seconds"] / plugin["cycles"], plain["seconds"] / plain["tokens"]
+    lines.append(
+        f"  this host's break-even accept length: {even:.2f} (an EAGLE + map cycle takes "
+        f"{1e3 * t_cycle:.0f} ms, a plain decode step {1e3 * t_plain:.0f} ms); the draft's: {accept:.2f}"
+    )
+    side, outcome = ("above", "beats") if accept > even else ("not above", "does not beat")
+    lines.append(
+        f"  against plain decoding (the host's and the draft's, not the plugin's): EAGLE + map {outcome} it"
+        f" here, {_ratio(plugin, plain):.2f}x, as the draft's accept length is {side} this host's break-even"
+    )
+    return lines
 
 
 def run(args: argparse.Namespace, launch: Launch = new_python) -> int:
     """The demo; ``launch`` starts each server's launcher (a new Python, as a user's would be)."""
+    started = time.monotonic()
     try:
         work = _workload(args)
     except SystemExit as e:
         print(e, file=sys.stderr)
         return 2
+    seconds = dict.fromkeys(("model", "server starts", "measuring", "server stops"), 0.0)
+    seconds["model"] = time.monotonic() - started
+    print(f"model ready in {seconds['model']:.0f} s", flush=True)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="sglang-frspec-demo-"))
     base = ["--model-path", args.model_path, "--tp-size", str(args.tp)]
     base += CPU_SERVER_ARGS if args.device == "cpu" else ["--device", args.device]
@@ -232,8 +302,17 @@ def run(args: argparse.Namespace, launch: Launch = new_python) -> int:
         print(f"[{i}/{len(runs)}] {name}: starting a TP={args.tp} server ...", flush=True)
         log_path = log_dir / f"server{i}.log"
         with SGLangServer(base + extra, _env(args, plugin), log_path, launch=launch) as server:
+            measuring = time.monotonic()
             results[name] = _measure(server, work.prompts, args.max_new_tokens, args.one_at_a_time)
             results[name]["plugin"] = plugin_activity(server.log())
+            stopping = time.monotonic()
+        stopped = time.monotonic() - stopping
+        measured = stopping - measuring
+        ready = server.ready_after
+        seconds["server starts"] += ready
+        seconds["measuring"] += measured
+        seconds["server stops"] += stopped
+        print(f"    ready in {ready:.0f} s, measured in {measured:.0f} s, stopped in {stopped:.0f} s")
     reference = results[runs[0][0]]
     print(f"\nmodel {args.model_path}\ndraft {args.draft_model_path}\ntoken map {args.token_map}")
     print(f"EAGLE {spec['steps']} steps, topk {spec['topk']}, {spec['draft_tokens']} draft tokens")
@@ -245,6 +324,10 @@ def run(args: argparse.Namespace, launch: Launch = new_python) -> int:
         print(f"\nplain greedy equals {work.expected_name}: {'yes' if ok else 'NO'}")
     ok &= _show_table(results, reference, len(work.prompts))
     print("\nall outputs equal plain greedy decoding" if ok else "\nMISMATCH: see above")
+    print("\n" + "\n".join(verdict(results)))
+    total = time.monotonic() - started
+    phases = ", ".join(f"{phase} {s:.0f} s" for phase, s in seconds.items())
+    print(f"\ndemo: {total:.0f} s ({phases}, the rest {total - sum(seconds.values()):.0f} s)")
     if args.json:
         payload = {"prompts": work.prompts, "expected": work.expected, "runs": results}
         Path(args.json).write_text(json.dumps(payload, indent=1))

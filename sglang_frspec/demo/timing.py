@@ -38,25 +38,32 @@ def timed_batch(
     server: SGLangServer, prompts: Sequence[Prompt], max_new_tokens: int, at_once: int = 0
 ) -> dict:
     """Greedy outputs of ``prompts`` sent as closed batches of ``at_once`` requests (default: all in
-    one batch), one after another, and the figures of the whole: tokens/s over the time of all
-    batches, the mean accept length of the requests (None without speculation), each request's
-    (``spec_accept_length``) and its verify steps (``spec_verify_ct``, 0 without speculation)."""
+    one batch), one after another, and ``batch_figures`` of them all over the time of all batches."""
     at_once = at_once or len(prompts)
     outs: list[dict] = []
     begin = time.perf_counter()
     for first in range(0, len(prompts), at_once):
         outs += generate(server, prompts[first : first + at_once], max_new_tokens)
-    seconds = time.perf_counter() - begin
-    per_request = [o["meta_info"].get("spec_accept_length") for o in outs]
-    accept = [a for a in per_request if a is not None]
+    return batch_figures(outs, time.perf_counter() - begin)
+
+
+def batch_figures(outs: list[dict], seconds: float) -> dict:
+    """The figures of ``/generate`` responses that took ``seconds``: outputs, tokens, EAGLE's verify
+    cycles (the sum of SGLang's ``spec_verify_ct``; None for plain decoding), tokens/s, the accept
+    length over all requests (tokens per verify cycle, as SGLang's ``spec_accept_length`` is per
+    request; None for plain decoding) and each request's accept length."""
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    verify = [o["meta_info"].get("spec_verify_ct") for o in outs]
+    cycles = None if None in verify else sum(verify)
     return {
         "outputs": [o["output_ids"] for o in outs],
         "texts": [o.get("text") for o in outs],
         "seconds": seconds,
-        "tokens_per_s": sum(len(o["output_ids"]) for o in outs) / seconds,
-        "accept_length": sum(accept) / len(accept) if accept else None,
-        "accept_lengths": per_request,
-        "verify_ct": [o["meta_info"].get("spec_verify_ct") or 0 for o in outs],
+        "tokens": tokens,
+        "cycles": cycles,
+        "tokens_per_s": tokens / seconds,
+        "accept_length": tokens / cycles if cycles else None,
+        "accept_lengths": [o["meta_info"].get("spec_accept_length") for o in outs],
     }
 
 
