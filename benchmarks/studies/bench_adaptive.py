@@ -143,12 +143,11 @@ def start(server: Server, fixture, args, log_dir: Path) -> None:
 
 def timed_batch(server: SGLangServer, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """``timing.timed_batch`` after an untimed wake-up request (the first after SIGCONT), with the
-    accept length weighted by each request's verify steps and the batch's verify steps."""
+    batch's verify steps (plain decoding: accept length 1)."""
     before = timing.generate(server, prompts[:1], timing.WARM_UP_TOKENS)
     sample = timing.timed_batch(server, prompts, max_new_tokens)
     verify = sample["verify_ct"]
-    accept = [a or 1.0 for a in sample["accept_lengths"]]
-    sample["accept_length"] = sum(a * v for a, v in zip(accept, verify)) / sum(verify) if sum(verify) else 1.0
+    sample["accept_length"] = sample["accept_length"] or 1.0  # tokens per verify step over the batch
     # The batch's requests run together: its verify steps are its longest request's (+ the wake-up's).
     sample["verify_steps"] = max(verify) + max(o["meta_info"].get("spec_verify_ct") or 0 for o in before)
     return sample

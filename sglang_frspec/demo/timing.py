@@ -51,7 +51,7 @@ def batch_figures(outs: list[dict], seconds: float) -> dict:
     """The figures of ``/generate`` responses that took ``seconds``: outputs, tokens, EAGLE's verify
     cycles (the sum of SGLang's ``spec_verify_ct``; None for plain decoding), tokens/s, the accept
     length over all requests (tokens per verify cycle, as SGLang's ``spec_accept_length`` is per
-    request; None for plain decoding) and each request's accept length."""
+    request; None for plain decoding) and each request's accept length and verify cycles."""
     tokens = sum(len(o["output_ids"]) for o in outs)
     verify = [o["meta_info"].get("spec_verify_ct") for o in outs]
     cycles = None if None in verify else sum(verify)
@@ -64,6 +64,7 @@ def batch_figures(outs: list[dict], seconds: float) -> dict:
         "tokens_per_s": tokens / seconds,
         "accept_length": tokens / cycles if cycles else None,
         "accept_lengths": [o["meta_info"].get("spec_accept_length") for o in outs],
+        "verify_ct": [o["meta_info"].get("spec_verify_ct") or 0 for o in outs],
     }
 
 
