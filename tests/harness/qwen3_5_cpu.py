@@ -77,6 +77,8 @@ from sglang_frspec.demo.fixtures import (
 from sglang_frspec.demo.server import SGLangServer, plugin_activity
 from tools.serving.greedy import compare_greedy, reference_greedy
 
+# the builders' sources (by module name: this file runs as __main__ too)
+BUILDER_DIGEST = source_digest("tests.harness.qwen3_5_cpu", "sglang_frspec.demo.fixtures")
 VOCAB = 4093
 HIDDEN = 128
 INIT_STD = 0.1
@@ -269,7 +271,7 @@ def _build_next(root: Path) -> None:
 
 def qwen3_next_target() -> str:
     """Build (once, cached) the tiny Qwen3-Next checkpoint; its path."""
-    root = cache_root() / f"qwen3_next-{source_digest('qwen3_5_cpu', 'sglang_frspec.demo.fixtures')}"
+    root = cache_root() / f"qwen3_next-{BUILDER_DIGEST}"
     return str(cached_build(root, _build_next, marker="done") / "target")
 
 
@@ -309,7 +311,7 @@ def chain_target(target: str) -> str:
 
 def qwen3_5_target() -> str:
     """Build (once, cached) the tiny Qwen3.5 checkpoint; its path."""
-    root = cache_root() / f"qwen3_5-{source_digest('qwen3_5_cpu', 'sglang_frspec.demo.fixtures')}"
+    root = cache_root() / f"qwen3_5-{BUILDER_DIGEST}"
     return str(cached_build(root, _build, marker="done") / "target")
 
 
